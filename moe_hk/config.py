@@ -1,0 +1,93 @@
+"""`MoEConfig`: the layer's settings, validated when constructed.
+
+Checks that need the mesh or the input (experts divisible by the expert-axis size, batch
+divisible by the devices) live in `moe_hk.mesh` and run when the layer first sees both.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax.numpy as jnp
+
+FALLBACK_MODES = ("none", "layer", "step")
+A2A_IMPLS = ("auto", "native", "emulated")
+GMM_IMPLS = ("auto", "ragged_dot", "blocked")
+ROUTER_SCORES = ("softmax", "sigmoid")
+DTYPES = ("float32", "bfloat16")
+
+
+def _fail(field: str, value: Any, allowed: str) -> None:
+  raise ValueError(f"MoEConfig.{field}={value!r} is invalid: {allowed}.")
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+  """Settings of one MoE layer (names follow the reference implementation where it has one)."""
+
+  num_experts: int                 # E: routed experts in the layer.
+  num_experts_per_tok: int         # K: experts each token is sent to (top-k).
+  emb_dim: int                     # D: model width.
+  mlp_dim: int                     # F: hidden width of each SwiGLU expert.
+  # Receive buffer per EP shard = factor x balanced rows (T * K); -1 = worst case (never drops).
+  ragged_buffer_factor: float = -1.0
+  # What happens when a shard's buffer would overflow: 'none' drops rows, 'layer' reruns the
+  # layer dropless over sequence chunks, 'step' replays the train step (ring-of-experts only).
+  moe_dropless_fallback: str = "none"
+  # 0 picks the fewest sequence chunks whose worst-case buffer fits the capped one.
+  dropless_fallback_num_chunks: int = 0
+  use_ring_of_experts: bool = False   # All-gather tokens instead of the ragged all-to-all.
+  a2a_impl: str = "auto"              # 'native' (TPU/GPU), 'emulated' (CPU), 'auto' by platform.
+  gmm_impl: str = "auto"              # 'ragged_dot' (TPU/GPU), 'blocked' (CPU), 'auto' by platform.
+  gmm_block_rows: int = 128           # Row block of the 'blocked' grouped matmul.
+  router_score: str = "softmax"       # 'softmax' over the K selected logits, or 'sigmoid'.
+  dtype: str = "float32"              # Compute dtype of the expert matmuls; params stay float32.
+  load_balance_loss_weight: float = 0.01
+  expert_axis: str = "expert"         # Mesh axis the experts are sharded over.
+  log_required_ragged_buffer_factor: bool = True
+
+  def __post_init__(self):
+    for name in ("num_experts", "num_experts_per_tok", "emb_dim", "mlp_dim", "gmm_block_rows"):
+      value = getattr(self, name)
+      if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        _fail(name, value, "must be a positive integer")
+    if self.num_experts_per_tok > self.num_experts:
+      _fail("num_experts_per_tok", self.num_experts_per_tok,
+            f"must be in [1, num_experts={self.num_experts}]")
+    factor = self.ragged_buffer_factor
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not (
+        factor == -1 or factor > 0):
+      _fail("ragged_buffer_factor", factor, "must be -1 (worst-case buffer) or > 0")
+    self._check_choice("moe_dropless_fallback", FALLBACK_MODES)
+    self._check_choice("a2a_impl", A2A_IMPLS)
+    self._check_choice("gmm_impl", GMM_IMPLS)
+    self._check_choice("router_score", ROUTER_SCORES)
+    self._check_choice("dtype", DTYPES)
+    if self.moe_dropless_fallback == "step" and not self.use_ring_of_experts:
+      _fail("moe_dropless_fallback", "step",
+            "'step' replays the train step when a ring-of-experts layer overflows and needs "
+            "use_ring_of_experts=True; use 'layer' on the all-to-all path")
+    chunks = self.dropless_fallback_num_chunks
+    if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 0:
+      _fail("dropless_fallback_num_chunks", chunks, "must be 0 (automatic) or a positive integer")
+    if self.load_balance_loss_weight < 0:
+      _fail("load_balance_loss_weight", self.load_balance_loss_weight, "must be >= 0")
+    if not self.expert_axis or not isinstance(self.expert_axis, str):
+      _fail("expert_axis", self.expert_axis, "must be a mesh axis name")
+
+  def _check_choice(self, field: str, allowed: tuple[str, ...]) -> None:
+    value = getattr(self, field)
+    if value not in allowed:
+      _fail(field, value, "must be one of " + ", ".join(repr(a) for a in allowed))
+
+  @property
+  def compute_dtype(self) -> jnp.dtype:
+    return jnp.dtype(self.dtype)
+
+  @property
+  def capped(self) -> bool:
+    """True when the receive buffer is smaller than the worst case can be."""
+    return self.ragged_buffer_factor != -1
+
+  def replace(self, **changes) -> "MoEConfig":
+    return dataclasses.replace(self, **changes)

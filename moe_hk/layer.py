@@ -1,0 +1,68 @@
+"""`MoELayer`: the thin Haiku module over `moe_forward`.
+
+Parameters are created here, outside any shard_map / scan / cond, and handed to pure functions.
+"""
+from __future__ import annotations
+
+import math
+
+import haiku as hk
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding
+
+from moe_hk.config import MoEConfig
+from moe_hk.sharded import MoEParams, moe_forward, param_specs
+from moe_hk.stats import MoEStats
+
+
+def _sharded_init(stddev: float, mesh: Mesh, spec) -> hk.initializers.Initializer:
+  """Truncated-normal initializer whose output is placed with `spec` on `mesh`."""
+  init = hk.initializers.TruncatedNormal(stddev=stddev)
+  sharding = NamedSharding(mesh, spec)
+  return lambda shape, dtype: jax.lax.with_sharding_constraint(init(shape, dtype), sharding)
+
+
+def _get_params(config: MoEConfig, mesh: Mesh) -> MoEParams:
+  """Fetches (creating at init) `router/w`, `wi_0`, `wi_1`, `wo` in the current module."""
+  c = config
+  specs = param_specs(c, mesh)
+  fan_in_d, fan_in_f = 1 / math.sqrt(c.emb_dim), 1 / math.sqrt(c.mlp_dim)
+  with hk.name_scope("router"):
+    router_w = hk.get_parameter("w", (c.emb_dim, c.num_experts), jnp.float32,
+                                init=_sharded_init(fan_in_d, mesh, specs.router_w))
+  expert_shape = (c.num_experts, c.emb_dim, c.mlp_dim)
+  wi_0 = hk.get_parameter("wi_0", expert_shape, jnp.float32,
+                          init=_sharded_init(fan_in_d, mesh, specs.wi_0))
+  wi_1 = hk.get_parameter("wi_1", expert_shape, jnp.float32,
+                          init=_sharded_init(fan_in_d, mesh, specs.wi_1))
+  wo = hk.get_parameter("wo", (c.num_experts, c.mlp_dim, c.emb_dim), jnp.float32,
+                        init=_sharded_init(fan_in_f, mesh, specs.wo))
+  return MoEParams(router_w, wi_0, wi_1, wo)
+
+
+class MoELayer(hk.Module):
+  """Expert-parallel SwiGLU MoE layer: `x [B, S, D]` -> `y [B, S, D]`.
+
+  Parameters: `router/w [D, E]`, `wi_0 [E, D, F]`, `wi_1 [E, D, F]`, `wo [E, F, D]` (float32),
+  expert weights sharded over `config.expert_axis`. By default the step's `MoEStats` go to
+  Haiku state under `stats` (use `hk.transform_with_state`); `return_stats=True` returns
+  `(y, stats)` instead and touches no state, for `hk.layer_stack`, which refuses state.
+  """
+
+  def __init__(self, config: MoEConfig, mesh: Mesh, name: str | None = None):
+    super().__init__(name=name)
+    self.config = config
+    self.mesh = mesh
+
+  def __call__(self, x: jax.Array, *, step: jax.Array | None = None,
+               layer_index: jax.Array | None = None,
+               return_stats: bool = False) -> jax.Array | tuple[jax.Array, MoEStats]:
+    """`step` and `layer_index` (optional, may be traced) only label metric events."""
+    del step, layer_index  # Labels for metric events; nothing in the data path reads them.
+    y, stats = moe_forward(_get_params(self.config, self.mesh), x, config=self.config,
+                           mesh=self.mesh)
+    if return_stats:
+      return y, stats
+    hk.set_state("stats", stats)
+    return y

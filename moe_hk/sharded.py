@@ -1,0 +1,110 @@
+"""The MoE layer over a whole mesh: validation, backend choice, shard_map, stats reduction.
+
+Shapes: B global batch, S sequence, D model width, F expert width, E experts.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec as P
+
+from moe_hk import mesh as mesh_lib
+from moe_hk.config import MoEConfig
+from moe_hk.ragged_path import ExpertWeights, ShardStats, ragged_moe_shard
+from moe_hk.stats import MoEStats
+
+
+class MoEParams(NamedTuple):
+  """The layer's parameters (float32), global shapes."""
+  router_w: jax.Array  # [D, E]
+  wi_0: jax.Array      # [E, D, F]
+  wi_1: jax.Array      # [E, D, F]
+  wo: jax.Array        # [E, F, D]
+
+
+def param_specs(config: MoEConfig, mesh: Mesh) -> MoEParams:
+  """Partition specs: router replicated, experts over the expert axis (D over fsdp if present)."""
+  return MoEParams(
+      router_w=P(),
+      wi_0=mesh_lib.expert_weight_spec(mesh, config, embedding_dim=1),
+      wi_1=mesh_lib.expert_weight_spec(mesh, config, embedding_dim=1),
+      wo=mesh_lib.expert_weight_spec(mesh, config, embedding_dim=2))
+
+
+def mesh_platform(mesh: Mesh) -> str:
+  return mesh.devices.flat[0].platform
+
+
+def resolve_impls(config: MoEConfig, mesh: Mesh) -> tuple[str, str]:
+  """Concrete (a2a, gmm) backends for the mesh's platform."""
+  platform = mesh_platform(mesh)
+  if config.a2a_impl == "native" and platform == "cpu":
+    raise ValueError(
+        "MoEConfig.a2a_impl='native' cannot run on a CPU mesh: XLA:CPU has no "
+        "ragged-all-to-all; use 'emulated' or 'auto'.")
+  a2a = config.a2a_impl if config.a2a_impl != "auto" else (
+      "emulated" if platform == "cpu" else "native")
+  gmm = config.gmm_impl if config.gmm_impl != "auto" else (
+      "blocked" if platform == "cpu" else "ragged_dot")
+  return a2a, gmm
+
+
+def _gather_fsdp(experts: ExpertWeights, mesh: Mesh, config: MoEConfig) -> ExpertWeights:
+  """All-gathers the fsdp-sharded embedding dim of the local experts (backward: reduce-scatter)."""
+  specs = param_specs(config, mesh)
+  def gather(w, spec):
+    if mesh_lib.FSDP_AXIS not in spec:
+      return w
+    return jax.lax.all_gather(w, mesh_lib.FSDP_AXIS, axis=spec.index(mesh_lib.FSDP_AXIS),
+                              tiled=True)
+  return ExpertWeights(gather(experts.wi_0, specs.wi_0), gather(experts.wi_1, specs.wi_1),
+                       gather(experts.wo, specs.wo))
+
+
+def reduce_stats(local: ShardStats, mesh: Mesh, config: MoEConfig,
+                 fallback: jax.Array) -> MoEStats:
+  """Turns one shard's stats into global ones, identical on every device.
+
+  Expert-group quantities (traffic-derived) are equal on the group's shards, so they are taken
+  once per group (pmax over the expert axis) and summed over the other axes.
+  """
+  all_axes = tuple(mesh.axis_names)
+  other_axes = tuple(a for a in all_axes if a != config.expert_axis)
+  per_group = lambda v: jax.lax.psum(jax.lax.pmax(v, config.expert_axis), other_axes)
+  return MoEStats(
+      fallback=jax.lax.pmax(fallback.astype(jnp.int32), all_axes),
+      required_factor=jax.lax.pmax(local.required_factor, all_axes),
+      would_drop_rows=per_group(local.would_drop_rows),
+      dropped_rows=per_group(local.dropped_rows),
+      tokens_per_expert=jax.lax.psum(local.tokens_per_expert, all_axes),
+      lb_loss=jax.lax.pmean(local.lb_loss, all_axes) * config.load_balance_loss_weight)
+
+
+def moe_forward(params: MoEParams, x: jax.Array, *, config: MoEConfig, mesh: Mesh,
+                force_dropless: bool = False) -> tuple[jax.Array, MoEStats]:
+  """The MoE layer as a pure function: `x [B, S, D]` -> `(y [B, S, D], MoEStats)`.
+
+  The batch is sharded over every mesh axis; raises `ValueError` for a mesh or input that
+  does not fit the config.
+  """
+  if config.moe_dropless_fallback != "none" or config.use_ring_of_experts:
+    raise NotImplementedError(
+        "moe_dropless_fallback and use_ring_of_experts are not implemented yet; "
+        "use moe_dropless_fallback='none', use_ring_of_experts=False.")
+  mesh_lib.validate_mesh(config, mesh)
+  mesh_lib.validate_input(config, mesh, x.shape)
+  a2a_impl, gmm_impl = resolve_impls(config, mesh)
+  batch = mesh_lib.batch_spec(mesh)
+  stats_specs = MoEStats(*([P()] * len(MoEStats._fields)))
+
+  def shard_fn(x_local, router_w, wi_0, wi_1, wo):
+    experts = _gather_fsdp(ExpertWeights(wi_0, wi_1, wo), mesh, config)
+    y, local = ragged_moe_shard(x_local, router_w, experts, config=config, a2a_impl=a2a_impl,
+                                gmm_impl=gmm_impl, force_dropless=force_dropless)
+    return y, reduce_stats(local, mesh, config, fallback=jnp.zeros((), jnp.int32))
+
+  specs = param_specs(config, mesh)
+  fn = jax.shard_map(shard_fn, mesh=mesh, in_specs=(batch, *specs), out_specs=(batch, stats_specs))
+  return fn(x, *params)

@@ -1,0 +1,16 @@
+"""`MoEStats`: what one MoE layer reports per step (identical on every device)."""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+
+
+class MoEStats(NamedTuple):
+  """Per-layer, per-step statistics, global over the mesh."""
+  fallback: jax.Array           # [] int32, 1 if the dropless fallback ran this step.
+  required_factor: jax.Array    # [] float32, max over expert groups and receivers of received / N.
+  would_drop_rows: jax.Array    # [] int32, rows beyond the capped buffers, fallback or not.
+  dropped_rows: jax.Array       # [] int32, rows actually dropped (0 after a fallback or uncapped).
+  tokens_per_expert: jax.Array  # [E] int32, routed rows per expert over the whole batch.
+  lb_loss: jax.Array            # [] float32, load-balance loss x load_balance_loss_weight.

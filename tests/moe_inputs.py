@@ -1,0 +1,32 @@
+"""Parameters and inputs with controllable router skew, for layer tests."""
+from __future__ import annotations
+
+import numpy as np
+import jax.numpy as jnp
+
+from moe_hk import MoEConfig, MoEParams
+
+
+def skewed_inputs(config: MoEConfig, batch: int, seq: int, *, skew: float, seed: int = 0,
+                  hot=None, hot_rows=None):
+  """Random `MoEParams` and `x [B, S, D]` whose router prefers the `hot` experts.
+
+  Every token is x = noise + mu; the hot experts' router columns get `skew * mu / |mu|^2`, so
+  their logits rise by about `skew` for every token (by `skew` only for batch rows in
+  `hot_rows` when given, which makes only some shards' traffic skewed).
+  """
+  rng = np.random.default_rng(seed)
+  d, f, e = config.emb_dim, config.mlp_dim, config.num_experts
+  hot = list(range(config.num_experts_per_tok)) if hot is None else list(hot)
+  mu = rng.normal(size=d)
+  x = rng.normal(size=(batch, seq, d))
+  router_w = rng.normal(size=(d, e)) / np.sqrt(d)
+  x[slice(None) if hot_rows is None else hot_rows] += mu
+  router_w[:, hot] += skew * (mu / (mu @ mu))[:, None]
+  params = MoEParams(
+      router_w=router_w,
+      wi_0=rng.normal(size=(e, d, f)) / np.sqrt(d),
+      wi_1=rng.normal(size=(e, d, f)) / np.sqrt(d),
+      wo=rng.normal(size=(e, f, d)) / np.sqrt(f))
+  as32 = lambda a: jnp.asarray(a, jnp.float32)
+  return MoEParams(*map(as32, params)), as32(x)

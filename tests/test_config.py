@@ -1,0 +1,100 @@
+"""Config and mesh validation: bad values raise ValueError naming the value and the valid range."""
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import moe_hk
+from moe_hk import dispatch_plan
+
+BASE = dict(num_experts=8, num_experts_per_tok=2, emb_dim=16, mlp_dim=32)
+
+
+@pytest.mark.parametrize("changes,pattern", [
+    (dict(num_experts=0), r"num_experts=0 .*positive integer"),
+    (dict(num_experts_per_tok=9), r"num_experts_per_tok=9 .*\[1, num_experts=8\]"),
+    (dict(emb_dim=-4), r"emb_dim=-4"),
+    (dict(mlp_dim=2.5), r"mlp_dim=2.5"),
+    (dict(ragged_buffer_factor=0), r"ragged_buffer_factor=0 .*-1 .* or > 0"),
+    (dict(ragged_buffer_factor=-2), r"ragged_buffer_factor=-2"),
+    (dict(ragged_buffer_factor=-0.5), r"ragged_buffer_factor=-0.5"),
+    (dict(moe_dropless_fallback="always"), r"moe_dropless_fallback='always' .*'none', 'layer', 'step'"),
+    (dict(moe_dropless_fallback="step"), r"'step' .*use_ring_of_experts=True"),
+    (dict(a2a_impl="nccl"), r"a2a_impl='nccl' .*'auto', 'native', 'emulated'"),
+    (dict(gmm_impl="megablox"), r"gmm_impl='megablox'"),
+    (dict(router_score="relu"), r"router_score='relu' .*'softmax', 'sigmoid'"),
+    (dict(dtype="float16"), r"dtype='float16' .*'float32', 'bfloat16'"),
+    (dict(dropless_fallback_num_chunks=-1), r"dropless_fallback_num_chunks=-1"),
+    (dict(load_balance_loss_weight=-0.1), r"load_balance_loss_weight=-0.1"),
+])
+def test_bad_values_name_field_value_and_range(changes, pattern):
+  with pytest.raises(ValueError, match=pattern):
+    moe_hk.MoEConfig(**{**BASE, **changes})
+
+
+def test_good_values_accepted():
+  for mode in ("none", "layer"):
+    moe_hk.MoEConfig(**BASE, moe_dropless_fallback=mode)
+  moe_hk.MoEConfig(**BASE, moe_dropless_fallback="step", use_ring_of_experts=True)
+  moe_hk.MoEConfig(**BASE, ragged_buffer_factor=-1)
+  moe_hk.MoEConfig(**BASE, ragged_buffer_factor=0.25)
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    moe_hk.MoEConfig(**BASE).num_experts = 4
+
+
+def test_make_mesh_checks_device_count_and_axis_types():
+  mesh = moe_hk.make_mesh(data=2, fsdp=1, expert=4)
+  assert mesh.axis_names == ("data", "fsdp", "expert")
+  assert all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types)
+  with pytest.raises(ValueError, match=r"needs 6 devices, got 8"):
+    moe_hk.make_mesh(data=3, expert=2)
+  with pytest.raises(ValueError, match=r"expert=0"):
+    moe_hk.make_mesh(expert=0)
+
+
+def _forward(config, mesh, shape):
+  x = jnp.zeros(shape, jnp.float32)
+  params = moe_hk.MoEParams(
+      jnp.zeros((config.emb_dim, config.num_experts)),
+      jnp.zeros((config.num_experts, config.emb_dim, config.mlp_dim)),
+      jnp.zeros((config.num_experts, config.emb_dim, config.mlp_dim)),
+      jnp.zeros((config.num_experts, config.mlp_dim, config.emb_dim)))
+  return jax.jit(functools.partial(moe_hk.moe_forward, config=config, mesh=mesh))(params, x)
+
+
+@pytest.mark.parametrize("mesh_args,config_changes,shape,pattern", [
+    (dict(data=2, expert=4), dict(num_experts=6), (8, 4, 16),
+     r"num_experts=6 must be divisible by the size of mesh axis 'expert' \(4\)"),
+    (dict(data=2, expert=4), dict(expert_axis="experts"), (8, 4, 16),
+     r"expert_axis='experts' is not an axis of the mesh"),
+    (dict(data=2, expert=4), {}, (12, 4, 16), r"batch 12 must be divisible by the 8 devices"),
+    (dict(data=2, expert=4), {}, (8, 4, 32), r"width 32 .* must equal MoEConfig.emb_dim=16"),
+    (dict(data=2, expert=4), {}, (8, 16), r"must be \[batch, seq, emb_dim\]"),
+    (dict(fsdp=8), dict(emb_dim=12), (8, 4, 12), r"emb_dim=12 must be divisible .*'fsdp' \(8\)"),
+    (dict(data=2, expert=4), dict(ragged_buffer_factor=0.01), (8, 4, 16),
+     r"ragged_buffer_factor=0.01 leaves a receive buffer of 0 rows for 8 routed rows"),
+])
+def test_mesh_and_input_errors(mesh_args, config_changes, shape, pattern):
+  config = moe_hk.MoEConfig(**{**BASE, **config_changes})
+  with pytest.raises(ValueError, match=pattern):
+    _forward(config, moe_hk.make_mesh(**mesh_args), shape)
+
+
+def test_native_all_to_all_refused_on_cpu():
+  config = moe_hk.MoEConfig(**BASE, a2a_impl="native")
+  with pytest.raises(ValueError, match=r"a2a_impl='native' cannot run on a CPU mesh"):
+    _forward(config, moe_hk.make_mesh(data=2, expert=4), (8, 4, 16))
+
+
+def test_buffer_rows_formula():
+  # N = T * K = 64; worst case P * T * min(K, L).
+  assert dispatch_plan.buffer_rows(4, 32, 2, 2, -1) == 4 * 32 * 2
+  assert dispatch_plan.buffer_rows(4, 32, 2, 2, 0.5) == 32
+  assert dispatch_plan.buffer_rows(4, 32, 2, 2, 1.3) == 83   # floor(64 * 1.3)
+  assert dispatch_plan.buffer_rows(4, 32, 2, 2, 100.0) == 256  # capped at the worst case
+  assert dispatch_plan.buffer_rows(8, 16, 4, 1, -1) == 8 * 16 * 1  # min(K, L) = 1
+  # The worst case equals N * min(P, E / K).
+  for p, t, k, l in [(8, 16, 2, 1), (4, 8, 1, 4), (2, 5, 4, 2), (8, 3, 2, 16)]:
+    assert dispatch_plan.worst_case_rows(p, t, k, l) == t * k * min(p, p * l / k)

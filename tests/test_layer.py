@@ -1,0 +1,147 @@
+"""The capped and worst-case layer against the dense reference: outputs, gradients, stats."""
+import functools
+
+import haiku as hk
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import moe_hk
+from tests import reference
+from tests.moe_inputs import skewed_inputs
+from tests.tree_close import assert_trees_close
+
+BATCH, SEQ, WIDTH, HIDDEN = 16, 8, 16, 32
+NUM_DEVICES = 8
+
+# (expert shards P, top-k K, experts per shard multiple, buffer factor): a pairwise cover of
+# P in {2, 4, 8} x K in {1, 2, 4} x E in {1, 2, 4} x P x factor in {-1, 0.5, 1, 2}.
+GRID = [
+    (2, 1, 1, -1), (2, 2, 2, 0.5), (2, 4, 4, 1.0), (2, 1, 4, 2.0),
+    (4, 1, 1, 0.5), (4, 2, 2, 1.0), (4, 4, 1, 2.0), (4, 2, 4, -1),
+    (8, 1, 1, 1.0), (8, 2, 1, 2.0), (8, 4, 2, 0.5), (8, 1, 2, -1), (8, 4, 1, 1.0),
+]
+
+
+def _setup(shards, k, mult, factor, **overrides):
+  mesh = moe_hk.make_mesh(data=NUM_DEVICES // shards, expert=shards)
+  config = moe_hk.MoEConfig(num_experts=shards * mult, num_experts_per_tok=k, emb_dim=WIDTH,
+                            mlp_dim=HIDDEN, ragged_buffer_factor=factor, gmm_block_rows=8,
+                            load_balance_loss_weight=0.1, **overrides)
+  params, x = skewed_inputs(config, BATCH, SEQ, skew=4.0, seed=shards * 100 + k * 10 + mult)
+  return mesh, config, params, x
+
+
+def _loss_and_grads(fn, params, x, cotangent):
+  """Value, and gradients wrt params and x, of `sum(fn(params, x) * cotangent)`."""
+  def loss(p, xx):
+    y, aux = fn(p, xx)
+    return jnp.sum(y * cotangent), (y, aux)
+  (_, (y, aux)), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(params, x)
+  return y, aux, grads
+
+
+@pytest.mark.parametrize("shards,k,mult,factor", GRID)
+def test_layer_matches_dense_reference(shards, k, mult, factor):
+  mesh, config, params, x = _setup(shards, k, mult, factor)
+  num_experts = config.num_experts
+  tokens = BATCH // NUM_DEVICES * SEQ
+  rows = reference.reference_buffer_rows(tokens, k, shards, num_experts // shards, factor)
+  worst = reference.reference_buffer_rows(tokens, k, shards, num_experts // shards, -1)
+  ids, _, logits = reference.reference_routing(params.router_w, x, k, "softmax")
+  keep = reference.keep_mask(ids, num_devices=NUM_DEVICES, shards=shards,
+                             num_experts=num_experts, rows=rows)
+  cot = jax.random.normal(jax.random.key(7), x.shape)
+
+  layer = functools.partial(moe_hk.moe_forward, config=config, mesh=mesh)
+  y, stats, grads = jax.jit(functools.partial(_loss_and_grads, layer))(params, x, cot)
+  ref = lambda p, xx: (reference.reference_moe(p, xx, k=k, keep=jnp.asarray(keep)), None)
+  y_ref, _, grads_ref = _loss_and_grads(ref, tuple(params), x, cot)
+
+  assert_trees_close(y, y_ref, what="y")
+  assert_trees_close(grads, (moe_hk.MoEParams(*grads_ref[0]), grads_ref[1]), what="grad")
+
+  dropped = int((~keep).sum())
+  if rows < worst:
+    assert dropped > 0, "the skewed router should overflow a capped buffer"
+  else:
+    assert dropped == 0
+  assert int(stats.dropped_rows) == dropped
+  assert int(stats.would_drop_rows) == dropped
+  assert int(stats.fallback) == 0
+  colsum = reference.traffic(ids, num_devices=NUM_DEVICES, shards=shards,
+                             num_experts=num_experts).sum(axis=1)
+  np.testing.assert_allclose(stats.required_factor, colsum.max() / (tokens * k), rtol=1e-6)
+  np.testing.assert_array_equal(stats.tokens_per_expert,
+                                np.bincount(np.asarray(ids).reshape(-1), minlength=num_experts))
+  lb = reference.reference_lb_loss(logits, ids, NUM_DEVICES, num_experts) * 0.1
+  np.testing.assert_allclose(stats.lb_loss, lb, rtol=1e-5)
+
+
+def test_capped_differs_from_dropless_when_rows_drop():
+  """Control: the drop really changes the output, so the equalities above are not vacuous."""
+  mesh, config, params, x = _setup(4, 2, 2, 0.5)
+  capped, stats = jax.jit(functools.partial(moe_hk.moe_forward, config=config, mesh=mesh))(
+      params, x)
+  dropless, _ = jax.jit(functools.partial(
+      moe_hk.moe_forward, config=config.replace(ragged_buffer_factor=-1), mesh=mesh))(params, x)
+  assert int(stats.dropped_rows) > 0
+  err = np.linalg.norm(capped - dropless) / np.linalg.norm(dropless)
+  assert err > 1e-2, f"capped and dropless outputs agree ({err:.2g}) although rows were dropped"
+
+
+def test_sigmoid_router_and_bfloat16_compute():
+  mesh, config, params, x = _setup(4, 1, 2, -1, router_score="sigmoid", dtype="bfloat16")
+  y, _ = jax.jit(functools.partial(moe_hk.moe_forward, config=config, mesh=mesh))(params, x)
+  y_ref = reference.reference_moe(tuple(params), x, k=1, score="sigmoid")
+  assert y.dtype == jnp.float32
+  assert_trees_close(y, y_ref, rtol=2e-2, what="bf16 y")  # bf16 matmuls: stated looser bound.
+
+
+def test_plain_two_axis_mesh():
+  """Any mesh with the expert axis works, e.g. Mesh(devices, ('data', 'expert'))."""
+  devices = np.asarray(jax.devices()).reshape(2, 4)
+  mesh = jax.sharding.Mesh(devices, ("data", "expert"))
+  _, config, params, x = _setup(4, 2, 1, -1)
+  y, _ = jax.jit(functools.partial(moe_hk.moe_forward, config=config, mesh=mesh))(params, x)
+  assert_trees_close(y, reference.reference_moe(tuple(params), x, k=2), what="y")
+
+
+def test_fsdp_axis_shards_expert_embedding():
+  mesh = moe_hk.make_mesh(data=1, fsdp=2, expert=4)
+  config = moe_hk.MoEConfig(num_experts=8, num_experts_per_tok=2, emb_dim=WIDTH,
+                            mlp_dim=HIDDEN, ragged_buffer_factor=1.0)
+  params, x = skewed_inputs(config, BATCH, SEQ, skew=4.0, seed=3)
+  specs = moe_hk.param_specs(config, mesh)
+  assert specs.wi_0 == jax.sharding.PartitionSpec("expert", "fsdp", None)
+  assert specs.wo == jax.sharding.PartitionSpec("expert", None, "fsdp")
+  ids, _, _ = reference.reference_routing(params.router_w, x, 2, "softmax")
+  keep = reference.keep_mask(ids, num_devices=8, shards=4, num_experts=8, rows=2 * 8 * 2)
+  cot = jax.random.normal(jax.random.key(1), x.shape)
+  layer = functools.partial(moe_hk.moe_forward, config=config, mesh=mesh)
+  y, _, grads = jax.jit(functools.partial(_loss_and_grads, layer))(params, x, cot)
+  ref = lambda p, xx: (reference.reference_moe(p, xx, k=2, keep=jnp.asarray(keep)), None)
+  y_ref, _, grads_ref = _loss_and_grads(ref, tuple(params), x, cot)
+  assert_trees_close(y, y_ref, what="y")
+  assert_trees_close(grads, (moe_hk.MoEParams(*grads_ref[0]), grads_ref[1]), what="grad")
+
+
+def test_haiku_module_params_state_and_sharding():
+  mesh, config, _, x = _setup(4, 2, 2, 1.0)
+  model = hk.transform_with_state(lambda x: moe_hk.MoELayer(config, mesh, name="moe")(x))
+  params, state = jax.jit(model.init)(jax.random.key(0), x)
+  assert jax.tree.map(jnp.shape, params) == {
+      "moe/router": {"w": (WIDTH, 8)},
+      "moe": {"wi_0": (8, WIDTH, HIDDEN), "wi_1": (8, WIDTH, HIDDEN), "wo": (8, HIDDEN, WIDTH)}}
+  assert params["moe"]["wi_0"].sharding.spec == jax.sharding.PartitionSpec("expert")
+  y, state = jax.jit(model.apply)(params, state, None, x)
+  p = moe_hk.MoEParams(params["moe/router"]["w"], params["moe"]["wi_0"], params["moe"]["wi_1"],
+                       params["moe"]["wo"])
+  y_pure, stats = moe_hk.moe_forward(p, x, config=config, mesh=mesh)
+  assert_trees_close(y, y_pure, rtol=0, what="module vs pure")
+  assert_trees_close(state["moe"]["stats"], stats, rtol=0, what="stats")
+
+  stacked = hk.transform(lambda x: moe_hk.MoELayer(config, mesh, name="moe")(x, return_stats=True))
+  y2, stats2 = jax.jit(stacked.apply)(params, None, x)
+  assert_trees_close((y2, stats2), (y_pure, stats), rtol=0, what="return_stats")
