@@ -37,6 +37,9 @@ class MoEConfig:
   # 0 picks the fewest sequence chunks whose worst-case buffer fits the capped one.
   dropless_fallback_num_chunks: int = 0
   use_ring_of_experts: bool = False   # All-gather tokens instead of the ragged all-to-all.
+  # Set in the replay graph of moe_dropless_fallback='step' (see `for_step_replay`): every
+  # layer runs the chunked dropless path, never the worst-case buffer.
+  step_replay: bool = False
   a2a_impl: str = "auto"              # 'native' (TPU/GPU), 'emulated' (CPU), 'auto' by platform.
   gmm_impl: str = "auto"              # 'ragged_dot' (TPU/GPU), 'blocked' (CPU), 'auto' by platform.
   gmm_block_rows: int = 128           # Row block of the 'blocked' grouped matmul.
@@ -88,6 +91,13 @@ class MoEConfig:
   def capped(self) -> bool:
     """True when the receive buffer is smaller than the worst case can be."""
     return self.ragged_buffer_factor != -1
+
+  def for_step_replay(self) -> "MoEConfig":
+    """The config of the step-mode replay graph."""
+    if self.moe_dropless_fallback != "step":
+      _fail("moe_dropless_fallback", self.moe_dropless_fallback,
+            "for_step_replay() needs moe_dropless_fallback='step'")
+    return self.replace(step_replay=True)
 
   def replace(self, **changes) -> "MoEConfig":
     return dataclasses.replace(self, **changes)

@@ -56,12 +56,13 @@ class MoELayer(hk.Module):
     self.mesh = mesh
 
   def __call__(self, x: jax.Array, *, step: jax.Array | None = None,
-               layer_index: jax.Array | None = None,
-               return_stats: bool = False) -> jax.Array | tuple[jax.Array, MoEStats]:
-    """`step` and `layer_index` (optional, may be traced) only label metric events."""
+               layer_index: jax.Array | None = None, return_stats: bool = False,
+               force_dropless: bool = False) -> jax.Array | tuple[jax.Array, MoEStats]:
+    """`step` and `layer_index` (optional, may be traced) only label metric events;
+    `force_dropless` uses the worst-case buffer (no truncation, no fallback)."""
     del step, layer_index  # Labels for metric events; nothing in the data path reads them.
     y, stats = moe_forward(_get_params(self.config, self.mesh), x, config=self.config,
-                           mesh=self.mesh)
+                           mesh=self.mesh, force_dropless=force_dropless)
     if return_stats:
       return y, stats
     hk.set_state("stats", stats)

@@ -1,13 +1,12 @@
 """The MoE layer on one expert-parallel shard over a ragged all-to-all (runs inside shard_map).
 
-Shapes: B local batch, S sequence, D model width, F expert width, E experts, K experts per
-token, P expert shards, L = E / P local experts, T = B * S local tokens, N = T * K routed rows,
-R receive-buffer rows.
+Shapes: D model width, F expert width, E experts, K experts per token, P expert shards,
+L = E / P local experts, T local tokens, N = T * K routed rows, R receive-buffer rows.
 
-Data path: route -> sort the N rows by expert -> all-gather per-expert counts -> plan (with
-truncation when capped) -> ragged all-to-all into a zeroed [R, D] buffer -> group by local
-expert -> SwiGLU grouped matmul -> ungroup -> reverse all-to-all into the senders' slots ->
-unsort -> weighted sum over K. Dropped rows come back as exact zeros.
+Data path, given the routing: sort the N rows by expert -> plan from the all-gathered
+per-expert counts (with truncation when capped) -> ragged all-to-all into a zeroed [R, D]
+buffer -> group by local expert -> SwiGLU grouped matmul -> ungroup -> reverse all-to-all into
+the senders' slots -> unsort -> weighted sum over K. Dropped rows come back as exact zeros.
 """
 from __future__ import annotations
 
@@ -16,10 +15,11 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from moe_hk import dispatch_plan, routing as routing_lib
+from moe_hk import dispatch_plan
 from moe_hk.all_to_all import ragged_all_to_all
 from moe_hk.config import MoEConfig
 from moe_hk.grouped_matmul import expert_mlp
+from moe_hk.routing import tokens_per_expert
 
 
 class ExpertWeights(NamedTuple):
@@ -29,13 +29,10 @@ class ExpertWeights(NamedTuple):
   wo: jax.Array    # [L, F, D]
 
 
-class ShardStats(NamedTuple):
-  """One shard's view before reduction over the mesh (see `MoEStats` for the reduced form)."""
-  required_factor: jax.Array    # [] float32, same on every shard of the expert group.
-  would_drop_rows: jax.Array    # [] int32, rows of the expert group beyond the cap.
-  dropped_rows: jax.Array       # [] int32, rows of the expert group actually dropped.
-  tokens_per_expert: jax.Array  # [E] int32, this shard's routed rows per expert.
-  lb_loss: jax.Array            # [] float32, this shard's unweighted load-balance loss.
+class Backends(NamedTuple):
+  """Concrete implementations, resolved from 'auto' for the mesh's platform."""
+  a2a: str  # 'native' | 'emulated'
+  gmm: str  # 'ragged_dot' | 'blocked'
 
 
 def combine_rows(rows: jax.Array, weights: jax.Array) -> jax.Array:
@@ -44,50 +41,37 @@ def combine_rows(rows: jax.Array, weights: jax.Array) -> jax.Array:
   return jnp.einsum("tk,tkd->td", weights, rows.reshape(tokens, k, -1).astype(jnp.float32))
 
 
-def ragged_moe_shard(x: jax.Array, router_w: jax.Array, experts: ExpertWeights, *,
-                     config: MoEConfig, a2a_impl: str, gmm_impl: str,
-                     force_dropless: bool = False) -> tuple[jax.Array, ShardStats]:
-  """One shard's MoE layer: `x [B, S, D]` -> `y [B, S, D]` and its `ShardStats`.
+def grouped_experts_mlp(rows: jax.Array, experts: ExpertWeights, group_sizes: jax.Array,
+                        config: MoEConfig, gmm_impl: str) -> jax.Array:
+  """SwiGLU of rows `[R, D]` grouped by local expert (`group_sizes [L]`, then padding rows,
+  which come back 0) in the compute dtype -> `[R, D]`."""
+  cast = lambda w: w.astype(config.compute_dtype)
+  return expert_mlp(rows, cast(experts.wi_0), cast(experts.wi_1), cast(experts.wo), group_sizes,
+                    gmm_impl, config.gmm_block_rows)
 
-  `force_dropless` uses the worst-case buffer (no truncation) whatever the factor.
+
+def gather_counts(expert_ids: jax.Array, config: MoEConfig) -> jax.Array:
+  """Every shard's routed rows per expert `[P, E]` from this shard's `expert_ids [T, K]`."""
+  return jax.lax.all_gather(tokens_per_expert(expert_ids, config.num_experts), config.expert_axis)
+
+
+def ragged_moe(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, experts: ExpertWeights,
+               *, rows: int, config: MoEConfig, backends: Backends) -> jax.Array:
+  """One shard's MoE output over the ragged all-to-all with a buffer of `rows` rows.
+
+  x `[T, D]`, expert_ids / weights `[T, K]` (this shard's routing) -> `[T, D]` float32.
   """
   axis = config.expert_axis
-  batch, seq, width = x.shape
-  tokens, k = batch * seq, config.num_experts_per_tok
-  num_shards = jax.lax.axis_size(axis)
-  local_experts = config.num_experts // num_shards
-  routed = tokens * k
-  capped_rows = dispatch_plan.buffer_rows(num_shards, tokens, k, local_experts,
-                                         config.ragged_buffer_factor)
-  rows = (dispatch_plan.worst_case_rows(num_shards, tokens, k, local_experts)
-          if force_dropless else capped_rows)
-
-  x2 = x.reshape(tokens, width)
-  route = routing_lib.route(x2, router_w, k, config.router_score)
-  flat_expert = route.expert_ids.reshape(routed)                 # [N], (t, k) order
-  order = jnp.argsort(flat_expert, stable=True)                  # [N]
-  sorted_rows = x2.astype(config.compute_dtype)[order // k]      # [N, D]
-  counts = routing_lib.tokens_per_expert(route.expert_ids, config.num_experts)   # [E]
-  all_counts = jax.lax.all_gather(counts, axis)                  # [P, E]
-  plan = dispatch_plan.make_plan(all_counts, jax.lax.axis_index(axis), rows)
-
-  buffer = ragged_all_to_all(sorted_rows, jnp.zeros((rows, width), sorted_rows.dtype),
-                             plan.dispatch, axis, a2a_impl)      # [R, D]
-  group_order = jnp.argsort(plan.buffer_expert, stable=True)     # [R]
-  cast = lambda w: w.astype(config.compute_dtype)
-  grouped_out = expert_mlp(buffer[group_order], cast(experts.wi_0), cast(experts.wi_1),
-                           cast(experts.wo), plan.local_group_sizes, gmm_impl,
-                           config.gmm_block_rows)                # [R, D]
-  buffer_out = grouped_out[jnp.argsort(group_order)]
-  returned = ragged_all_to_all(buffer_out, jnp.zeros_like(sorted_rows), plan.combine, axis,
-                               a2a_impl)                         # [N, D]
-  unsorted = returned[jnp.argsort(order)]                        # [N, D], (t, k) order
-  y = combine_rows(unsorted, route.weights).astype(x.dtype).reshape(batch, seq, width)
-
-  stats = ShardStats(
-      required_factor=dispatch_plan.required_factor(plan.traffic, routed),
-      would_drop_rows=dispatch_plan.overflow_rows(plan.traffic, capped_rows),
-      dropped_rows=dispatch_plan.overflow_rows(plan.traffic, rows),
-      tokens_per_expert=counts,
-      lb_loss=routing_lib.load_balance_loss(route, config.num_experts))
-  return y, stats
+  _, k = expert_ids.shape
+  order = jnp.argsort(expert_ids.reshape(-1), stable=True)       # [N], by expert
+  sorted_rows = x.astype(config.compute_dtype)[order // k]       # [N, D]
+  plan = dispatch_plan.make_plan(gather_counts(expert_ids, config), jax.lax.axis_index(axis),
+                                 rows)
+  buffer = ragged_all_to_all(sorted_rows, jnp.zeros((rows, x.shape[-1]), sorted_rows.dtype),
+                             plan.dispatch, axis, backends.a2a)   # [R, D]
+  by_expert = jnp.argsort(plan.buffer_expert, stable=True)       # [R], empty rows last
+  out = grouped_experts_mlp(buffer[by_expert], experts, plan.local_group_sizes, config,
+                            backends.gmm)[jnp.argsort(by_expert)]  # [R, D], buffer order
+  returned = ragged_all_to_all(out, jnp.zeros_like(sorted_rows), plan.combine, axis,
+                               backends.a2a)                     # [N, D]
+  return combine_rows(returned[jnp.argsort(order)], weights)

@@ -10,9 +10,10 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
-from moe_hk import mesh as mesh_lib
+from moe_hk import fallback, mesh as mesh_lib
 from moe_hk.config import MoEConfig
-from moe_hk.ragged_path import ExpertWeights, ShardStats, ragged_moe_shard
+from moe_hk.ragged_path import Backends, ExpertWeights
+from moe_hk.shard_layer import ShardStats, moe_shard
 from moe_hk.stats import MoEStats
 
 
@@ -37,8 +38,8 @@ def mesh_platform(mesh: Mesh) -> str:
   return mesh.devices.flat[0].platform
 
 
-def resolve_impls(config: MoEConfig, mesh: Mesh) -> tuple[str, str]:
-  """Concrete (a2a, gmm) backends for the mesh's platform."""
+def resolve_backends(config: MoEConfig, mesh: Mesh) -> Backends:
+  """Concrete all-to-all and grouped-matmul backends for the mesh's platform."""
   platform = mesh_platform(mesh)
   if config.a2a_impl == "native" and platform == "cpu":
     raise ValueError(
@@ -48,7 +49,7 @@ def resolve_impls(config: MoEConfig, mesh: Mesh) -> tuple[str, str]:
       "emulated" if platform == "cpu" else "native")
   gmm = config.gmm_impl if config.gmm_impl != "auto" else (
       "blocked" if platform == "cpu" else "ragged_dot")
-  return a2a, gmm
+  return Backends(a2a, gmm)
 
 
 def _gather_fsdp(experts: ExpertWeights, mesh: Mesh, config: MoEConfig) -> ExpertWeights:
@@ -63,8 +64,7 @@ def _gather_fsdp(experts: ExpertWeights, mesh: Mesh, config: MoEConfig) -> Exper
                        gather(experts.wo, specs.wo))
 
 
-def reduce_stats(local: ShardStats, mesh: Mesh, config: MoEConfig,
-                 fallback: jax.Array) -> MoEStats:
+def reduce_stats(local: ShardStats, mesh: Mesh, config: MoEConfig) -> MoEStats:
   """Turns one shard's stats into global ones, identical on every device.
 
   Expert-group quantities (traffic-derived) are equal on the group's shards, so they are taken
@@ -74,7 +74,7 @@ def reduce_stats(local: ShardStats, mesh: Mesh, config: MoEConfig,
   other_axes = tuple(a for a in all_axes if a != config.expert_axis)
   per_group = lambda v: jax.lax.psum(jax.lax.pmax(v, config.expert_axis), other_axes)
   return MoEStats(
-      fallback=jax.lax.pmax(fallback.astype(jnp.int32), all_axes),
+      fallback=jax.lax.pmax(local.fallback, all_axes),
       required_factor=jax.lax.pmax(local.required_factor, all_axes),
       would_drop_rows=per_group(local.would_drop_rows),
       dropped_rows=per_group(local.dropped_rows),
@@ -83,27 +83,27 @@ def reduce_stats(local: ShardStats, mesh: Mesh, config: MoEConfig,
 
 
 def moe_forward(params: MoEParams, x: jax.Array, *, config: MoEConfig, mesh: Mesh,
-                force_dropless: bool = False) -> tuple[jax.Array, MoEStats]:
+                force_dropless: bool = False,
+                chunk_loop: fallback.ChunkLoop = fallback.scan_chunks
+                ) -> tuple[jax.Array, MoEStats]:
   """The MoE layer as a pure function: `x [B, S, D]` -> `(y [B, S, D], MoEStats)`.
 
-  The batch is sharded over every mesh axis; raises `ValueError` for a mesh or input that
-  does not fit the config.
+  The batch is sharded over every mesh axis. `force_dropless` runs the worst-case buffer
+  (no truncation, no fallback). `chunk_loop` runs the fallback's chunks (benchmarks swap in
+  an unrolled loop to compare). Raises `ValueError` for a mesh or input that does not fit.
   """
-  if config.moe_dropless_fallback != "none" or config.use_ring_of_experts:
-    raise NotImplementedError(
-        "moe_dropless_fallback and use_ring_of_experts are not implemented yet; "
-        "use moe_dropless_fallback='none', use_ring_of_experts=False.")
   mesh_lib.validate_mesh(config, mesh)
   mesh_lib.validate_input(config, mesh, x.shape)
-  a2a_impl, gmm_impl = resolve_impls(config, mesh)
+  backends = resolve_backends(config, mesh)
   batch = mesh_lib.batch_spec(mesh)
   stats_specs = MoEStats(*([P()] * len(MoEStats._fields)))
 
   def shard_fn(x_local, router_w, wi_0, wi_1, wo):
     experts = _gather_fsdp(ExpertWeights(wi_0, wi_1, wo), mesh, config)
-    y, local = ragged_moe_shard(x_local, router_w, experts, config=config, a2a_impl=a2a_impl,
-                                gmm_impl=gmm_impl, force_dropless=force_dropless)
-    return y, reduce_stats(local, mesh, config, fallback=jnp.zeros((), jnp.int32))
+    y, local = moe_shard(x_local, router_w, experts, config=config, backends=backends,
+                         mesh_axes=tuple(mesh.axis_names), force_dropless=force_dropless,
+                         chunk_loop=chunk_loop)
+    return y, reduce_stats(local, mesh, config)
 
   specs = param_specs(config, mesh)
   fn = jax.shard_map(shard_fn, mesh=mesh, in_specs=(batch, *specs), out_specs=(batch, stats_specs))

@@ -1,10 +1,12 @@
 """Parameters and inputs with controllable router skew, for layer tests."""
 from __future__ import annotations
 
-import numpy as np
+import jax
 import jax.numpy as jnp
+import numpy as np
 
 from moe_hk import MoEConfig, MoEParams
+from tests import reference
 
 
 def skewed_inputs(config: MoEConfig, batch: int, seq: int, *, skew: float, seed: int = 0,
@@ -30,3 +32,20 @@ def skewed_inputs(config: MoEConfig, batch: int, seq: int, *, skew: float, seed:
       wo=rng.normal(size=(e, f, d)) / np.sqrt(f))
   as32 = lambda a: jnp.asarray(a, jnp.float32)
   return MoEParams(*map(as32, params)), as32(x)
+
+
+def outputs_and_grads(fn, params, x, cotangent):
+  """`fn(params, x) -> (y, aux)`; returns y, aux and the gradients wrt (params, x) of
+  `sum(y * cotangent)`."""
+  def loss(p, xx):
+    y, aux = fn(p, xx)
+    return jnp.sum(y * cotangent), (y, aux)
+  (_, (y, aux)), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(params, x)
+  return y, aux, grads
+
+
+def dense_reference(k: int, score: str = "softmax", keep=None):
+  """The tests' reference as `fn(params, x) -> (y, None)` with MoEParams-shaped gradients."""
+  def fn(params, x):
+    return reference.reference_moe(tuple(params), x, k=k, score=score, keep=keep), None
+  return fn

@@ -83,3 +83,22 @@ def traffic(ids, *, num_devices: int, shards: int, num_experts: int) -> np.ndarr
     for i in range(shards):
       out[g, i] = np.bincount(per_shard[g, i] // local, minlength=shards)
   return out
+
+
+def ring_keep_mask(ids, *, num_devices: int, shards: int, num_experts: int,
+                   rows: int) -> np.ndarray:
+  """Ring-of-experts drop order: each shard fills its buffer expert by expert, and within one
+  expert by position in the gathered batch (shard-major, then (b, s, k))."""
+  ids = np.asarray(ids)
+  per_group = ids.reshape(num_devices // shards, -1)  # gathered batch of each expert group
+  keep = np.zeros(per_group.shape, bool)
+  local = num_experts // shards
+  for group in range(per_group.shape[0]):
+    for receiver in range(shards):
+      budget = rows
+      for expert in range(receiver * local, (receiver + 1) * local):
+        for position in np.flatnonzero(per_group[group] == expert):
+          if budget > 0:
+            keep[group, position] = True
+            budget -= 1
+  return keep.reshape(ids.shape)

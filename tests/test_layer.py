@@ -9,7 +9,7 @@ import pytest
 
 import moe_hk
 from tests import reference
-from tests.moe_inputs import skewed_inputs
+from tests.moe_inputs import dense_reference, outputs_and_grads, skewed_inputs
 from tests.tree_close import assert_trees_close
 
 BATCH, SEQ, WIDTH, HIDDEN = 16, 8, 16, 32
@@ -33,34 +33,28 @@ def _setup(shards, k, mult, factor, **overrides):
   return mesh, config, params, x
 
 
-def _loss_and_grads(fn, params, x, cotangent):
-  """Value, and gradients wrt params and x, of `sum(fn(params, x) * cotangent)`."""
-  def loss(p, xx):
-    y, aux = fn(p, xx)
-    return jnp.sum(y * cotangent), (y, aux)
-  (_, (y, aux)), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(params, x)
-  return y, aux, grads
+RING_GRID = [(2, 2, 2, 0.5), (4, 1, 1, 1.0), (8, 2, 1, 2.0), (8, 4, 2, -1), (4, 2, 4, 0.5)]
 
 
-@pytest.mark.parametrize("shards,k,mult,factor", GRID)
-def test_layer_matches_dense_reference(shards, k, mult, factor):
-  mesh, config, params, x = _setup(shards, k, mult, factor)
+@pytest.mark.parametrize("ring,shards,k,mult,factor",
+                         [(False, *g) for g in GRID] + [(True, *g) for g in RING_GRID])
+def test_layer_matches_dense_reference(ring, shards, k, mult, factor):
+  mesh, config, params, x = _setup(shards, k, mult, factor, use_ring_of_experts=ring)
   num_experts = config.num_experts
   tokens = BATCH // NUM_DEVICES * SEQ
   rows = reference.reference_buffer_rows(tokens, k, shards, num_experts // shards, factor)
   worst = reference.reference_buffer_rows(tokens, k, shards, num_experts // shards, -1)
   ids, _, logits = reference.reference_routing(params.router_w, x, k, "softmax")
-  keep = reference.keep_mask(ids, num_devices=NUM_DEVICES, shards=shards,
-                             num_experts=num_experts, rows=rows)
+  mask_fn = reference.ring_keep_mask if ring else reference.keep_mask
+  keep = mask_fn(ids, num_devices=NUM_DEVICES, shards=shards, num_experts=num_experts, rows=rows)
   cot = jax.random.normal(jax.random.key(7), x.shape)
 
   layer = functools.partial(moe_hk.moe_forward, config=config, mesh=mesh)
-  y, stats, grads = jax.jit(functools.partial(_loss_and_grads, layer))(params, x, cot)
-  ref = lambda p, xx: (reference.reference_moe(p, xx, k=k, keep=jnp.asarray(keep)), None)
-  y_ref, _, grads_ref = _loss_and_grads(ref, tuple(params), x, cot)
-
+  y, stats, grads = jax.jit(functools.partial(outputs_and_grads, layer))(params, x, cot)
+  y_ref, _, grads_ref = outputs_and_grads(dense_reference(k, keep=jnp.asarray(keep)), params, x,
+                                          cot)
   assert_trees_close(y, y_ref, what="y")
-  assert_trees_close(grads, (moe_hk.MoEParams(*grads_ref[0]), grads_ref[1]), what="grad")
+  assert_trees_close(grads, grads_ref, what="grad")
 
   dropped = int((~keep).sum())
   if rows < worst:
@@ -120,11 +114,11 @@ def test_fsdp_axis_shards_expert_embedding():
   keep = reference.keep_mask(ids, num_devices=8, shards=4, num_experts=8, rows=2 * 8 * 2)
   cot = jax.random.normal(jax.random.key(1), x.shape)
   layer = functools.partial(moe_hk.moe_forward, config=config, mesh=mesh)
-  y, _, grads = jax.jit(functools.partial(_loss_and_grads, layer))(params, x, cot)
-  ref = lambda p, xx: (reference.reference_moe(p, xx, k=2, keep=jnp.asarray(keep)), None)
-  y_ref, _, grads_ref = _loss_and_grads(ref, tuple(params), x, cot)
+  y, _, grads = jax.jit(functools.partial(outputs_and_grads, layer))(params, x, cot)
+  y_ref, _, grads_ref = outputs_and_grads(dense_reference(2, keep=jnp.asarray(keep)), params, x,
+                                          cot)
   assert_trees_close(y, y_ref, what="y")
-  assert_trees_close(grads, (moe_hk.MoEParams(*grads_ref[0]), grads_ref[1]), what="grad")
+  assert_trees_close(grads, grads_ref, what="grad")
 
 
 def test_haiku_module_params_state_and_sharding():

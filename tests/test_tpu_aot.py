@@ -36,7 +36,7 @@ def test_native_path_compiles_for_v5p(factor):
   mesh = moe_hk.make_mesh(expert=4, devices=aot.tpu_topology_devices("v5p:2x2x1"))
   config = moe_hk.MoEConfig(num_experts=8, num_experts_per_tok=2, emb_dim=128, mlp_dim=256,
                             ragged_buffer_factor=factor)
-  assert moe_hk.sharded.resolve_impls(config, mesh) == ("native", "ragged_dot")
+  assert moe_hk.sharded.resolve_backends(config, mesh) == ("native", "ragged_dot")
   compiled = _compile_value_and_grad(config, mesh)
   hlo = compiled.as_text()
   # Dispatch and combine forward, and their transposes in the backward.

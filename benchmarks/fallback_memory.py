@@ -1,0 +1,146 @@
+"""Device memory of a train step per fallback variant, from the compiler, on CPU and TPU.
+
+  python -m benchmarks.fallback_memory [--platforms=cpu,tpu] [--layers=1,4,8]
+
+For each platform (an 8-device CPU mesh, and a v5p 2x2x2 topology compiled through libtpu)
+and each model (one bare MoE layer; stacks of rematerialised MoE layers trained with Adam),
+compiles the step and prints total memory per device (arguments + outputs + temp - aliased)
+for: the worst-case buffer, the capped buffer, capped + `layer` fallback (scan of
+checkpointed chunks), and capped + fallback with a Python-unrolled chunk loop (the naive form,
+kept here only as the comparison). JSON first, then a table.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                             " --xla_force_host_platform_device_count=8").strip()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import optax  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+
+import moe_hk  # noqa: E402
+from moe_hk import aot, mesh as mesh_lib  # noqa: E402
+
+# The single-layer setting where token buffers dominate: 8 shards, top-2, 8 experts,
+# 64 x 512 tokens (4,096 per shard), emb 64, MLP 128.
+SETTING = dict(num_experts=8, num_experts_per_tok=2, emb_dim=64, mlp_dim=128)
+BATCH, SEQ = 64, 512
+FACTOR = 2.0
+VARIANTS = ("worst_case", "capped", "fallback_scan", "fallback_unrolled")
+
+
+def unrolled_chunks(body, xs):
+  """The naive chunk loop: every chunk's residuals stay alive until the backward."""
+  return jnp.stack([body(*(a[i] for a in xs)) for i in range(xs[0].shape[0])])
+
+
+def variant_config(variant: str) -> moe_hk.MoEConfig:
+  base = moe_hk.MoEConfig(**SETTING, ragged_buffer_factor=FACTOR)
+  return {
+      "worst_case": base.replace(ragged_buffer_factor=-1),
+      "capped": base,
+      "fallback_scan": base.replace(moe_dropless_fallback="layer"),
+      "fallback_unrolled": base.replace(moe_dropless_fallback="layer"),
+  }[variant]
+
+
+def make_mesh(platform: str):
+  devices = aot.tpu_topology_devices("v5p:2x2x2") if platform == "tpu" else jax.devices()[:8]
+  return moe_hk.make_mesh(expert=8, devices=devices)
+
+
+def _layer_params(config):
+  e, d, f = config.num_experts, config.emb_dim, config.mlp_dim
+  return moe_hk.MoEParams(jnp.zeros((d, e)), jnp.zeros((e, d, f)), jnp.zeros((e, d, f)),
+                          jnp.zeros((e, f, d)))
+
+
+def compile_step(variant: str, platform: str, layers: int):
+  """Compiles the step. layers == 0: one bare layer's value-and-grad (no optimizer, no remat).
+  layers >= 1: a scan over that many residual MoE layers with a jax.checkpoint(nothing_saveable)
+  body, with an Adam update and donated params and optimizer state."""
+  config = variant_config(variant)
+  mesh = make_mesh(platform)
+  loop = {"chunk_loop": unrolled_chunks} if variant == "fallback_unrolled" else {}
+  layer = functools.partial(moe_hk.moe_forward, config=config, mesh=mesh, **loop)
+  specs = moe_hk.param_specs(config, mesh)
+  shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
+  x = jax.ShapeDtypeStruct((BATCH, SEQ, config.emb_dim), jnp.float32,
+                           sharding=NamedSharding(mesh, mesh_lib.batch_spec(mesh)))
+
+  if layers == 0:
+    def loss(p, xx):
+      y, stats = layer(p, xx)
+      return jnp.mean(y ** 2) + stats.lb_loss
+    params = aot.abstract_like(_layer_params(config), shardings)
+    return jax.jit(jax.value_and_grad(loss)).lower(params, x).compile()
+
+  # Layers as a scan over stacked params with a rematerialised body, as large MoE models train.
+  remat_layer = jax.checkpoint(layer, policy=jax.checkpoint_policies.nothing_saveable)
+  def loss(stacked, xx):
+    def body(carry, p):
+      xx_, aux = carry
+      y, stats = remat_layer(p, xx_)
+      return (xx_ + y, aux + stats.lb_loss), None
+    (xx, aux), _ = jax.lax.scan(body, (xx, 0.0), stacked)
+    return jnp.mean(xx ** 2) + aux
+  tx = optax.adam(1e-3)
+  def step(ps, opt_state, xx):
+    value, grads = jax.value_and_grad(loss)(ps, xx)
+    updates, opt_state = tx.update(grads, opt_state, ps)
+    return optax.apply_updates(ps, updates), opt_state, value
+  stack = lambda a: jnp.zeros((layers, *a.shape), a.dtype)
+  concrete = jax.tree.map(stack, _layer_params(config))
+  stacked_shardings = jax.tree.map(
+      lambda s: NamedSharding(mesh, jax.sharding.PartitionSpec(None, *s)), specs)
+  params = aot.abstract_like(concrete, stacked_shardings)
+  opt_state = jax.eval_shape(tx.init, concrete)
+  replicated = NamedSharding(mesh, jax.sharding.PartitionSpec())
+  opt_shardings = optax.tree_map_params(tx, lambda _, s: s, opt_state, stacked_shardings,
+                                        transform_non_params=lambda _: replicated)
+  opt_state = aot.abstract_like(opt_state, opt_shardings)
+  return jax.jit(step, donate_argnums=(0, 1)).lower(params, opt_state, x).compile()
+
+
+def measure(platforms, layer_counts):
+  rows = []
+  for platform in platforms:
+    for layers in layer_counts:
+      mib = {v: aot.total_memory_bytes(compile_step(v, platform, layers)) / 2**20
+             for v in VARIANTS}
+      rows.append({"platform": platform, "layers": layers, "MiB": mib,
+                   "fallback_over_capped": mib["fallback_scan"] / mib["capped"]})
+  return rows
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--platforms", default="cpu,tpu")
+  parser.add_argument("--layers", default="0,4,8",
+                      help="0 = one bare layer (value and grad); N = N remat layers + Adam")
+  args = parser.parse_args()
+  rows = measure(args.platforms.split(","), [int(n) for n in args.layers.split(",")])
+  print(json.dumps({"setting": {**SETTING, "batch": BATCH, "seq": SEQ, "factor": FACTOR},
+                    "rows": rows}, indent=2))
+  print("\n| platform | model | worst case | capped | fallback (scan) | unrolled chunks | "
+        "fallback / capped |")
+  print("|---|---|---|---|---|---|---|")
+  for r in rows:
+    model = "1 layer, bare" if r["layers"] == 0 else f"{r['layers']} remat layers + Adam"
+    m = r["MiB"]
+    print(f"| {r['platform']} | {model} | {m['worst_case']:.1f} | {m['capped']:.1f} | "
+          f"{m['fallback_scan']:.1f} | {m['fallback_unrolled']:.1f} | "
+          f"{r['fallback_over_capped']:.2f}x |")
+
+
+if __name__ == "__main__":
+  main()

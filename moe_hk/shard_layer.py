@@ -1,0 +1,102 @@
+"""One shard's MoE layer with its overflow check and dropless fallback (inside shard_map).
+
+Shapes: B local batch, S sequence, D model width, E experts, K experts per token, P expert
+shards, L = E / P local experts, T = B * S local tokens, R capped buffer rows.
+
+Routing happens once, here, for both branches: the load-balance loss, tokens per expert and
+the overflow check all come from the full step's routing, never from a chunk.
+"""
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from moe_hk import dispatch_plan, fallback, routing as routing_lib
+from moe_hk.config import MoEConfig
+from moe_hk.ragged_path import Backends, ExpertWeights, gather_counts, ragged_moe
+from moe_hk.ring_path import ring_moe
+
+
+class ShardStats(NamedTuple):
+  """One shard's view before reduction over the mesh (see `MoEStats` for the reduced form)."""
+  fallback: jax.Array           # [] int32, 1 if this device ran the dropless fallback.
+  required_factor: jax.Array    # [] float32, same on every shard of the expert group.
+  would_drop_rows: jax.Array    # [] int32, rows of the expert group beyond the capped buffer.
+  dropped_rows: jax.Array       # [] int32, rows of the expert group actually dropped.
+  tokens_per_expert: jax.Array  # [E] int32, this shard's routed rows per expert.
+  lb_loss: jax.Array            # [] float32, this shard's unweighted load-balance loss.
+
+
+def moe_shard(x: jax.Array, router_w: jax.Array, experts: ExpertWeights, *, config: MoEConfig,
+              backends: Backends, mesh_axes: tuple[str, ...], force_dropless: bool = False,
+              chunk_loop: fallback.ChunkLoop = fallback.scan_chunks
+              ) -> tuple[jax.Array, ShardStats]:
+  """`x [B, S, D]` -> `(y [B, S, D], ShardStats)` on one shard.
+
+  Picks, statically, one of: the worst-case buffer (`force_dropless`); the chunked dropless
+  path (`config.step_replay`); the capped path behind an overflow check that falls back to the
+  chunked path (`moe_dropless_fallback='layer'`); or the capped path alone.
+  """
+  batch, seq, width = x.shape
+  tokens, k = batch * seq, config.num_experts_per_tok
+  shards = jax.lax.axis_size(config.expert_axis)
+  local = config.num_experts // shards
+  capped_rows = dispatch_plan.buffer_rows(shards, tokens, k, local, config.ragged_buffer_factor)
+  worst_rows = dispatch_plan.worst_case_rows(shards, tokens, k, local)
+
+  route = routing_lib.route(x.reshape(tokens, width), router_w, k, config.router_score)
+  traffic = dispatch_plan.traffic_matrix(gather_counts(route.expert_ids, config))
+  would_drop = dispatch_plan.overflow_rows(traffic, capped_rows)
+  # Uniform over every mesh axis: each device's cond must take the same branch as its peers
+  # in every collective inside the branches.
+  overflow = jax.lax.pmax(would_drop > 0, mesh_axes)
+
+  path = ring_moe if config.use_ring_of_experts else ragged_moe
+  run = functools.partial(path, config=config, backends=backends)
+  ids = route.expert_ids.reshape(batch, seq, k)
+  weights = route.weights.reshape(batch, seq, k)
+
+  def capped(operands, expert_ids):
+    x_, weights_, experts_ = operands
+    y = run(x_.reshape(tokens, width), expert_ids.reshape(tokens, k),
+            weights_.reshape(tokens, k), experts_, rows=capped_rows)
+    return y.reshape(batch, seq, width)
+
+  def chunked(operands, expert_ids):
+    x_, weights_, experts_ = operands
+    num_chunks = fallback.fallback_num_chunks(
+        batch=batch, seq=seq, k=k, shards=shards, local_experts=local, rows=capped_rows,
+        requested=config.dropless_fallback_num_chunks)
+    chunk_rows = dispatch_plan.worst_case_rows(shards, tokens // num_chunks, k, local)
+    def chunk(x_c, ids_c, weights_c):
+      return run(x_c, ids_c, weights_c, experts_, rows=chunk_rows)
+    return fallback.chunked_dropless(chunk, x_, (expert_ids, weights_), num_chunks, chunk_loop)
+
+  operands = (x, weights, experts)
+  zero = jnp.zeros((), jnp.int32)
+  if force_dropless:
+    y = run(x.reshape(tokens, width), route.expert_ids, route.weights, experts,
+            rows=worst_rows).reshape(batch, seq, width)
+    ran_fallback, dropped = zero, zero
+  elif config.step_replay:
+    y = chunked(operands, ids)
+    ran_fallback, dropped = jnp.ones((), jnp.int32), zero
+  elif config.moe_dropless_fallback == "layer" and capped_rows < worst_rows:
+    y = fallback.cond_with_recompute(overflow, chunked, capped, operands, ids)
+    ran_fallback = overflow.astype(jnp.int32)
+    dropped = jnp.where(overflow, 0, would_drop)
+  else:
+    y = capped(operands, ids)
+    ran_fallback, dropped = zero, would_drop
+
+  stats = ShardStats(
+      fallback=ran_fallback,
+      required_factor=dispatch_plan.required_factor(traffic, tokens * k),
+      would_drop_rows=would_drop,
+      dropped_rows=dropped,
+      tokens_per_expert=routing_lib.tokens_per_expert(route.expert_ids, config.num_experts),
+      lb_loss=routing_lib.load_balance_loss(route, config.num_experts))
+  return y.astype(x.dtype), stats

@@ -1,0 +1,150 @@
+"""The dropless fallback: chunk rule, and outputs/gradients equal to the dropless model."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import moe_hk
+from moe_hk import fallback, mesh as mesh_lib, sharded
+from moe_hk.ragged_path import ExpertWeights
+from moe_hk.shard_layer import moe_shard
+from tests.moe_inputs import dense_reference, outputs_and_grads, skewed_inputs
+from tests.tree_close import assert_trees_close, relative_error
+
+NUM_DEVICES = 8
+BATCH = 16  # 2 per device
+
+# (expert shards, experts, top-k, factor, sequence): every case overflows its capped buffer.
+OVERFLOW = [(4, 8, 2, 0.5, 16), (8, 8, 1, 0.25, 32), (2, 4, 2, 0.4, 16), (8, 16, 4, 0.5, 16)]
+
+
+def _config(experts, k, factor, **kw):
+  return moe_hk.MoEConfig(num_experts=experts, num_experts_per_tok=k, emb_dim=16, mlp_dim=32,
+                          ragged_buffer_factor=factor, gmm_block_rows=8, **kw)
+
+
+def _layer(config, mesh, **kw):
+  return functools.partial(moe_hk.moe_forward, config=config, mesh=mesh, **kw)
+
+
+@pytest.mark.parametrize("ring", [False, True], ids=["all_to_all", "ring"])
+@pytest.mark.parametrize("shards,experts,k,factor,seq", OVERFLOW)
+def test_layer_fallback_equals_dropless(ring, shards, experts, k, factor, seq):
+  mesh = moe_hk.make_mesh(data=NUM_DEVICES // shards, expert=shards)
+  config = _config(experts, k, factor, use_ring_of_experts=ring, moe_dropless_fallback="layer")
+  params, x = skewed_inputs(config, BATCH, seq, skew=1.5, seed=shards + k)
+  cot = jax.random.normal(jax.random.key(3), x.shape)
+  run = lambda fn: jax.jit(functools.partial(outputs_and_grads, fn))(params, x, cot)
+
+  y, stats, grads = run(_layer(config, mesh))
+  y_ref, _, grads_ref = outputs_and_grads(dense_reference(k), params, x, cot)
+  assert int(stats.would_drop_rows) > 0, "the case must really overflow the capped buffer"
+  assert int(stats.fallback) == 1 and int(stats.dropped_rows) == 0
+  assert_trees_close(y, y_ref, what="y")
+  assert_trees_close(grads, grads_ref, what="grad")
+
+  # Control: the capped model without the fallback drops rows and diverges.
+  y_cap, stats_cap, grads_cap = run(_layer(config.replace(moe_dropless_fallback="none"), mesh))
+  assert int(stats_cap.dropped_rows) == int(stats.would_drop_rows)
+  assert relative_error(y_cap, y_ref) > 1e-2
+  assert relative_error(grads_cap[0].wo, grads_ref[0].wo) > 1e-2
+
+  # force_dropless (worst-case buffer) and the step-mode replay graph are dropless too.
+  y_force, stats_force, _ = run(_layer(config.replace(moe_dropless_fallback="none"), mesh,
+                                       force_dropless=True))
+  assert int(stats_force.dropped_rows) == 0 and int(stats_force.would_drop_rows) > 0
+  assert_trees_close(y_force, y_ref, what="force_dropless y")
+  if ring:
+    step_config = config.replace(moe_dropless_fallback="step").for_step_replay()
+    y_replay, stats_replay, grads_replay = run(_layer(step_config, mesh))
+    assert int(stats_replay.fallback) == 1 and int(stats_replay.dropped_rows) == 0
+    assert_trees_close(y_replay, y_ref, what="replay y")
+    assert_trees_close(grads_replay, grads_ref, what="replay grad")
+
+
+@pytest.mark.parametrize("ring", [False, True], ids=["all_to_all", "ring"])
+def test_no_overflow_equals_model_without_fallback(ring):
+  mesh = moe_hk.make_mesh(data=2, expert=4)
+  config = _config(8, 2, 2.0, use_ring_of_experts=ring, moe_dropless_fallback="layer")
+  params, x = skewed_inputs(config, BATCH, 16, skew=0.0, seed=11)  # balanced routing
+  cot = jax.random.normal(jax.random.key(4), x.shape)
+  run = lambda fn: jax.jit(functools.partial(outputs_and_grads, fn))(params, x, cot)
+  y, stats, grads = run(_layer(config, mesh))
+  y_plain, stats_plain, grads_plain = run(_layer(config.replace(moe_dropless_fallback="none"),
+                                                 mesh))
+  assert int(stats.would_drop_rows) == 0 and int(stats.fallback) == 0
+  assert_trees_close((y, grads), (y_plain, grads_plain), rtol=1e-6, what="no overflow")
+  assert_trees_close(stats, stats_plain, rtol=0, what="stats")
+
+
+@pytest.mark.parametrize("ring", [False, True], ids=["all_to_all", "ring"])
+def test_asymmetric_overflow_sets_flag_on_every_device(ring):
+  """Only two devices' tokens are skewed, so only one expert group overflows; every device
+  must take the fallback branch all the same."""
+  mesh = moe_hk.make_mesh(data=2, expert=4)
+  config = _config(8, 2, 2.0, use_ring_of_experts=ring, moe_dropless_fallback="layer")
+  params, x = skewed_inputs(config, BATCH, 16, skew=6.0, seed=5, hot_rows=slice(0, 4))
+  backends = sharded.resolve_backends(config, mesh)
+  axes = tuple(mesh.axis_names)
+
+  def per_device(x_, router_w, wi_0, wi_1, wo):
+    y, local = moe_shard(x_, router_w, ExpertWeights(wi_0, wi_1, wo), config=config,
+                         backends=backends, mesh_axes=axes)
+    return y, local.fallback[None], local.would_drop_rows[None]
+
+  specs = moe_hk.param_specs(config, mesh)
+  fn = jax.shard_map(per_device, mesh=mesh, in_specs=(mesh_lib.batch_spec(mesh), *specs),
+                     out_specs=(mesh_lib.batch_spec(mesh), P(axes), P(axes)), check_vma=False)
+  y, flags, would_drop = jax.jit(fn)(x, *params)
+  would_drop = np.asarray(would_drop).reshape(2, 4)
+  assert would_drop[0].max() > 0 and would_drop[1].max() == 0, would_drop  # one group only
+  np.testing.assert_array_equal(flags, 1)
+  assert_trees_close(y, dense_reference(2)(params, x)[0], what="y")
+
+
+def test_chunk_rule():
+  # n >= min(P, E / K) / factor, smallest divisor of the sequence: 4 shards, 8 experts, top-2,
+  # factor 0.5 -> n >= 8.
+  kw = dict(batch=2, k=2, shards=4, local_experts=2)
+  rows = int(2 * 16 * 2 * 0.5)
+  assert fallback.fallback_num_chunks(seq=16, rows=rows, **kw) == 8
+  assert fallback.fallback_num_chunks(seq=24, rows=int(2 * 24 * 2 * 0.5), **kw) == 8
+  assert fallback.fallback_num_chunks(seq=24, rows=rows, **kw) == 12  # n >= 12 for 32 rows
+  assert fallback.fallback_num_chunks(seq=20, rows=int(2 * 20 * 2 * 0.5), **kw) == 10
+  assert fallback.fallback_num_chunks(seq=16, rows=rows, requested=16, **kw) == 16
+  with pytest.raises(ValueError, match=r"dropless_fallback_num_chunks=3 must divide .* 16"):
+    fallback.fallback_num_chunks(seq=16, rows=rows, requested=3, **kw)
+  with pytest.raises(ValueError, match=r"dropless_fallback_num_chunks=4 .*= 64 rows\) fits .* 32"):
+    fallback.fallback_num_chunks(seq=16, rows=rows, requested=4, **kw)
+
+
+def test_infeasible_fallback_is_an_error_not_a_silent_drop():
+  """DESIGN.md's example: 8 shards, top-1, 8 experts, 16 tokens per shard, factor 0.25."""
+  with pytest.raises(ValueError, match=r"holds 4 rows.* need 8 .* 2 x 16 chunks"):
+    fallback.fallback_num_chunks(batch=1, seq=16, k=1, shards=8, local_experts=1, rows=4)
+  mesh = moe_hk.make_mesh(expert=8)
+  config = _config(8, 1, 0.25, moe_dropless_fallback="layer")
+  params, x = skewed_inputs(config, 8, 16, skew=1.0)
+  with pytest.raises(ValueError, match=r"no dropless fallback fits"):
+    jax.jit(_layer(config, mesh))(params, x)
+
+
+def test_step_mode_needs_ring_and_replay_needs_step():
+  with pytest.raises(ValueError, match=r"use_ring_of_experts=True"):
+    _config(8, 2, 0.5, moe_dropless_fallback="step")
+  with pytest.raises(ValueError, match=r"for_step_replay\(\) needs moe_dropless_fallback='step'"):
+    _config(8, 2, 0.5, moe_dropless_fallback="layer").for_step_replay()
+  assert _config(8, 2, 0.5, moe_dropless_fallback="step",
+                 use_ring_of_experts=True).for_step_replay().step_replay
+  _config(8, 2, 0.5, moe_dropless_fallback="layer", use_ring_of_experts=True)
+
+
+def test_chunks_split_and_merge_roundtrip():
+  a = jnp.arange(2 * 12 * 3).reshape(2, 12, 3)
+  chunks = fallback.split_chunks(a, 4)
+  assert chunks.shape == (4, 6, 3)
+  np.testing.assert_array_equal(chunks[1].reshape(2, 3, 3), a[:, 3:6])
+  np.testing.assert_array_equal(fallback.merge_chunks(chunks, 2), a)
