@@ -16,6 +16,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from moe_hk.vma import sum_to_axes_of, vary_like
+
 
 def _cdiv(a, b):
   return (a + b - 1) // b
@@ -58,26 +60,6 @@ def block_layout(group_sizes: jax.Array, num_rows: int, block_rows: int) -> Bloc
                      slot.astype(jnp.int32))
 
 
-def _varying_axes(x: jax.Array) -> frozenset:
-  """Mesh axes `x` varies over inside shard_map (empty outside)."""
-  manual = getattr(jax.typeof(x), "manual_axis_type", None)
-  return manual.varying if manual is not None else frozenset()
-
-
-def _vary_like(value: jax.Array, *refs: jax.Array) -> jax.Array:
-  """Marks `value` as varying over every mesh axis any of `refs` varies over (inside
-  shard_map a scan carry must have the same axis types as what the body returns)."""
-  missing = frozenset().union(*map(_varying_axes, refs)) - _varying_axes(value)
-  return jax.lax.pcast(value, tuple(sorted(missing)), to="varying") if missing else value
-
-
-def _sum_to_axes_of(cotangent: jax.Array, primal: jax.Array) -> jax.Array:
-  """Sums a cotangent over the mesh axes its primal is replicated on (what autodiff of a
-  replicated value used on every shard does implicitly)."""
-  extra = _varying_axes(cotangent) - _varying_axes(primal)
-  return jax.lax.psum(cotangent, tuple(sorted(extra))) if extra else cotangent
-
-
 @jax.custom_vjp
 def block_matmul(x: jax.Array, w: jax.Array, block_group: jax.Array) -> jax.Array:
   """`y[n] = x[n] @ w[block_group[n]]` for `x [NB, b, K]`, `w [G, K, N]` -> `[NB, b, N]`."""
@@ -100,9 +82,9 @@ def _block_matmul_bwd(res, dy):
   def body(dw, xs):
     x_blk, dy_blk, g = xs
     return dw.at[g].add(jnp.dot(x_blk.T, dy_blk, preferred_element_type=jnp.float32)), None
-  dw0 = _vary_like(jnp.zeros(w.shape, jnp.float32), x, dy, block_group)
+  dw0 = vary_like(jnp.zeros(w.shape, jnp.float32), x, dy, block_group)
   dw = jax.lax.scan(body, dw0, (x, dy, block_group))[0]
-  return _sum_to_axes_of(dx, x), _sum_to_axes_of(dw, w).astype(w.dtype), None
+  return sum_to_axes_of(dx, x), sum_to_axes_of(dw, w).astype(w.dtype), None
 
 
 block_matmul.defvjp(_block_matmul_fwd, _block_matmul_bwd)
