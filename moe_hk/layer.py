@@ -58,11 +58,13 @@ class MoELayer(hk.Module):
   def __call__(self, x: jax.Array, *, step: jax.Array | None = None,
                layer_index: jax.Array | None = None, return_stats: bool = False,
                force_dropless: bool = False) -> jax.Array | tuple[jax.Array, MoEStats]:
-    """`step` and `layer_index` (optional, may be traced) only label metric events;
-    `force_dropless` uses the worst-case buffer (no truncation, no fallback)."""
-    del step, layer_index  # Labels for metric events; nothing in the data path reads them.
-    y, stats = moe_forward(_get_params(self.config, self.mesh), x, config=self.config,
-                           mesh=self.mesh, force_dropless=force_dropless)
+    """`step` and `layer_index` (optional, may be traced) only label the metric events the
+    layer streams to the host (none without `step`, none during `init`); `force_dropless`
+    uses the worst-case buffer (no truncation, no fallback)."""
+    params = _get_params(self.config, self.mesh)
+    y, stats = moe_forward(params, x, config=self.config, mesh=self.mesh,
+                           step=None if hk.running_init() else step, layer_index=layer_index,
+                           force_dropless=force_dropless)
     if return_stats:
       return y, stats
     hk.set_state("stats", stats)

@@ -15,6 +15,7 @@ from moe_hk.config import MoEConfig
 from moe_hk.ragged_path import Backends, ExpertWeights
 from moe_hk.shard_layer import ShardStats, moe_shard
 from moe_hk.stats import MoEStats
+from metrics.emit import emit_layer_event
 
 
 class MoEParams(NamedTuple):
@@ -83,28 +84,40 @@ def reduce_stats(local: ShardStats, mesh: Mesh, config: MoEConfig) -> MoEStats:
 
 
 def moe_forward(params: MoEParams, x: jax.Array, *, config: MoEConfig, mesh: Mesh,
+                step: jax.Array | int | None = None, layer_index: jax.Array | int | None = None,
                 force_dropless: bool = False,
                 chunk_loop: fallback.ChunkLoop = fallback.scan_chunks
                 ) -> tuple[jax.Array, MoEStats]:
   """The MoE layer as a pure function: `x [B, S, D]` -> `(y [B, S, D], MoEStats)`.
 
-  The batch is sharded over every mesh axis. `force_dropless` runs the worst-case buffer
-  (no truncation, no fallback). `chunk_loop` runs the fallback's chunks (benchmarks swap in
-  an unrolled loop to compare). Raises `ValueError` for a mesh or input that does not fit.
+  The batch is sharded over every mesh axis. When `step` is given, the layer streams its stats
+  to the host as `metrics.emit.LayerEvent`s labelled (step, layer_index or 0, process, attempt).
+  `force_dropless` runs the worst-case buffer (no truncation, no fallback). `chunk_loop` runs
+  the fallback's chunks (benchmarks swap in an unrolled loop to compare). Raises `ValueError`
+  for a mesh or input that does not fit.
   """
   mesh_lib.validate_mesh(config, mesh)
   mesh_lib.validate_input(config, mesh, x.shape)
   backends = resolve_backends(config, mesh)
   batch = mesh_lib.batch_spec(mesh)
+  axes = tuple(mesh.axis_names)
   stats_specs = MoEStats(*([P()] * len(MoEStats._fields)))
+  labels = jnp.asarray([0 if step is None else step, 0 if layer_index is None else layer_index],
+                       jnp.int32)
 
   def shard_fn(x_local, router_w, wi_0, wi_1, wo):
     experts = _gather_fsdp(ExpertWeights(wi_0, wi_1, wo), mesh, config)
     y, local = moe_shard(x_local, router_w, experts, config=config, backends=backends,
-                         mesh_axes=tuple(mesh.axis_names), force_dropless=force_dropless,
-                         chunk_loop=chunk_loop)
+                         mesh_axes=axes, force_dropless=force_dropless, chunk_loop=chunk_loop)
     return y, reduce_stats(local, mesh, config)
 
   specs = param_specs(config, mesh)
-  fn = jax.shard_map(shard_fn, mesh=mesh, in_specs=(batch, *specs), out_specs=(batch, stats_specs))
-  return fn(x, *params)
+  fn = jax.shard_map(shard_fn, mesh=mesh, in_specs=(batch, *specs),
+                     out_specs=(batch, stats_specs))
+  y, stats = fn(x, *params)
+  if step is not None:
+    # Outside shard_map: the stats are replicated, so one callback per step and layer (two
+    # when a rematerialised forward is recomputed), not one per device.
+    emit_layer_event(stats, step=labels[0], layer=labels[1], shard=jax.process_index(),
+                     attempt=int(config.step_replay))
+  return y, stats

@@ -1,0 +1,105 @@
+"""CLU metric writers for the MoE tags (TensorBoard event files), flushed on exit and SIGTERM.
+
+Tags (DESIGN.md §6):
+  learning/moe_dropless_fallback_layers       MoE layers whose dropless fallback ran this step
+  moe/fallback_frequency                      fraction of trailing-window steps with a fallback
+  moe/required_ragged_buffer_factor           max over layers of the factor the traffic needed
+  moe/required_ragged_buffer_factor/layer_<i> per MoE layer (0-based ordinal)
+  moe/dropped_rows_fraction                   rows dropped / rows routed
+  moe/recommended_ragged_buffer_factor        high quantile of recent required factors
+  moe/step_replays                            step-mode replays so far
+  moe/tokens_per_expert/layer_<i>             histogram of rows per expert
+"""
+from __future__ import annotations
+
+import atexit
+import signal
+import threading
+from typing import Any, Mapping
+
+import jax
+from clu import metric_writers
+
+from metrics.aggregator import StepMetrics
+
+FALLBACK_LAYERS_TAG = "learning/moe_dropless_fallback_layers"
+FREQUENCY_TAG = "moe/fallback_frequency"
+REQUIRED_FACTOR_TAG = "moe/required_ragged_buffer_factor"
+DROPPED_FRACTION_TAG = "moe/dropped_rows_fraction"
+RECOMMENDED_FACTOR_TAG = "moe/recommended_ragged_buffer_factor"
+STEP_REPLAYS_TAG = "moe/step_replays"
+TOKENS_PER_EXPERT_TAG = "moe/tokens_per_expert"
+
+
+def step_scalars(m: StepMetrics) -> dict[str, float]:
+  """The scalar tags of one step."""
+  scalars = {
+      FALLBACK_LAYERS_TAG: m.fallback_layers,
+      FREQUENCY_TAG: m.fallback_frequency,
+      REQUIRED_FACTOR_TAG: m.required_factor,
+      DROPPED_FRACTION_TAG: m.dropped_rows_fraction,
+      RECOMMENDED_FACTOR_TAG: m.recommended_factor,
+  }
+  for layer, record in m.layers.items():
+    scalars[f"{REQUIRED_FACTOR_TAG}/layer_{layer}"] = record.required_factor
+  return scalars
+
+
+class MoEMetricsWriter:
+  """Writes `StepMetrics` (and any extra scalars) with CLU's default writer.
+
+  Only process 0 writes event files; other processes only log. Asynchronous by default.
+  `close()` (also run at interpreter exit and on SIGTERM once `flush_on_sigterm()` is called)
+  flushes everything written so far.
+  """
+
+  def __init__(self, workdir: str, *, asynchronous: bool = True,
+               histogram_buckets: int = 32):
+    self._writer = metric_writers.create_default_writer(
+        workdir, just_logging=jax.process_index() > 0, asynchronous=asynchronous)
+    self._buckets = histogram_buckets
+    self._closed = False
+    self._lock = threading.Lock()
+    atexit.register(self.close)
+
+  def write_hparams(self, hparams: Mapping[str, Any]) -> None:
+    self._writer.write_hparams(dict(hparams))
+
+  def write_step(self, m: StepMetrics, replays: int | None = None,
+                 extra: Mapping[str, float] | None = None) -> None:
+    scalars = step_scalars(m)
+    if replays is not None:
+      scalars[STEP_REPLAYS_TAG] = replays
+    scalars.update(extra or {})
+    self._writer.write_scalars(m.step, scalars)
+    self._writer.write_histograms(
+        m.step, {f"{TOKENS_PER_EXPERT_TAG}/layer_{layer}": record.tokens_per_expert
+                 for layer, record in m.layers.items()},
+        num_buckets={f"{TOKENS_PER_EXPERT_TAG}/layer_{layer}": self._buckets
+                     for layer in m.layers})
+
+  def write_scalars(self, step: int, scalars: Mapping[str, float]) -> None:
+    self._writer.write_scalars(step, dict(scalars))
+
+  def flush(self) -> None:
+    self._writer.flush()
+
+  def close(self) -> None:
+    with self._lock:
+      if self._closed:
+        return
+      self._closed = True
+    self._writer.close()
+
+  def flush_on_sigterm(self) -> None:
+    """On SIGTERM: close (flush) this writer, then let the previous handler act (default:
+    terminate). Call from the main thread."""
+    previous = signal.getsignal(signal.SIGTERM)
+    def handler(signum, frame):
+      self.close()
+      if callable(previous):
+        previous(signum, frame)
+      else:
+        signal.signal(signum, signal.SIG_DFL)
+        signal.raise_signal(signum)
+    signal.signal(signal.SIGTERM, handler)

@@ -1,0 +1,104 @@
+"""Callback-aggregated layer metrics equal what the step returns (unrolled and stacked layers)."""
+import functools
+
+import haiku as hk
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import metrics
+import moe_hk
+from tests.moe_inputs import skewed_inputs
+
+MESH_SHAPE = dict(data=2, expert=4)
+BASE = dict(num_experts=8, num_experts_per_tok=2, emb_dim=16, mlp_dim=32, gmm_block_rows=8)
+# Layer 0 overflows and falls back, layer 1 overflows and drops, layer 2 has the worst case.
+LAYER_CONFIGS = [dict(ragged_buffer_factor=0.5, moe_dropless_fallback="layer"),
+                 dict(ragged_buffer_factor=0.5), dict(ragged_buffer_factor=-1)]
+
+
+@pytest.fixture
+def events():
+  received = []
+  metrics.add_sink(received.append)
+  yield received
+  metrics.remove_sink(received.append)
+
+
+def _aggregate(events, step):
+  jax.effects_barrier()
+  aggregator = metrics.Aggregator()
+  for e in events:
+    aggregator(e)
+  return aggregator.finish_step(step)
+
+
+def _assert_record_matches(record, stats):
+  assert record.fallback == bool(stats.fallback)
+  np.testing.assert_allclose(record.required_factor, stats.required_factor, rtol=1e-6)
+  assert record.would_drop_rows == int(stats.would_drop_rows)
+  assert record.dropped_rows == int(stats.dropped_rows)
+  np.testing.assert_array_equal(record.tokens_per_expert, stats.tokens_per_expert)
+  assert record.shards == frozenset({0})  # one process: its first device reports
+
+
+def _unrolled_model(mesh):
+  def forward(x, step):
+    for i, overrides in enumerate(LAYER_CONFIGS):
+      layer = moe_hk.MoELayer(moe_hk.MoEConfig(**BASE, **overrides), mesh, name=f"moe_{i}")
+      x = x + hk.remat(lambda x_, layer=layer, i=i: layer(x_, step=step, layer_index=i))(x)
+    return x
+  return hk.transform_with_state(forward)
+
+
+def test_unrolled_layers_under_grad_with_remat(events):
+  mesh = moe_hk.make_mesh(**MESH_SHAPE)
+  _, x = skewed_inputs(moe_hk.MoEConfig(**BASE), 16, 16, skew=3.0, seed=1)
+  model = _unrolled_model(mesh)
+  params, state = jax.jit(model.init)(jax.random.key(0), x, 0)
+  jax.effects_barrier()
+  assert not events, "init must not emit layer events"
+
+  def loss(p, s, xx, step):
+    y, new_state = model.apply(p, s, None, xx, step)
+    return jnp.mean(y ** 2), new_state
+  _, state = jax.jit(jax.grad(loss, has_aux=True))(params, state, x, 5)
+  step_metrics = _aggregate(events, 5)
+  # One reporting device, and a second pass for the rematerialised forward.
+  assert len(events) == 2 * len(LAYER_CONFIGS)
+  assert sorted(step_metrics.layers) == [0, 1, 2]
+  for i in range(len(LAYER_CONFIGS)):
+    _assert_record_matches(step_metrics.layers[i], state[f"moe_{i}"]["stats"])
+  assert [r.fallback for r in step_metrics.layers.values()] == [True, False, False]
+  assert step_metrics.layers[0].would_drop_rows > 0 and step_metrics.layers[1].dropped_rows > 0
+  assert step_metrics.fallback_layers == 1
+  assert {e.name for e in events if e.layer == 0} == {metrics.emit.FALLBACK_EVENT}
+  assert {e.name for e in events if e.layer == 1} == {metrics.emit.CAPPED_EVENT}
+
+
+def test_stacked_layers_return_stats_as_outputs(events):
+  mesh = moe_hk.make_mesh(**MESH_SHAPE)
+  config = moe_hk.MoEConfig(**BASE, ragged_buffer_factor=0.5, moe_dropless_fallback="layer")
+  _, x = skewed_inputs(config, 16, 16, skew=3.0, seed=2)
+  num_layers = 3
+
+  def forward(x, step):
+    def block(x_, layer_index):
+      y, stats = moe_hk.MoELayer(config, mesh, name="moe")(
+          x_, step=step, layer_index=layer_index, return_stats=True)
+      return x_ + y, stats
+    stack = hk.layer_stack(num_layers, with_per_layer_inputs=True)(hk.remat(block))
+    return stack(x, jnp.arange(num_layers))
+  model = hk.transform(forward)
+  params = jax.jit(model.init)(jax.random.key(0), x, 0)
+
+  def loss(p, xx, step):
+    y, stats = model.apply(p, None, xx, step)
+    return jnp.mean(y ** 2), stats
+  _, stats = jax.jit(jax.grad(loss, has_aux=True))(params, x, 9)
+  step_metrics = _aggregate(events, 9)
+  assert sorted(step_metrics.layers) == list(range(num_layers))
+  for i in range(num_layers):
+    _assert_record_matches(step_metrics.layers[i], jax.tree.map(lambda a: a[i], stats))
+  assert step_metrics.fallback_layers == int(jnp.sum(stats.fallback))
