@@ -47,6 +47,8 @@ class MoEConfig:
   dtype: str = "float32"              # Compute dtype of the expert matmuls; params stay float32.
   load_balance_loss_weight: float = 0.01
   expert_axis: str = "expert"         # Mesh axis the experts are sharded over.
+  # Stream each step's stats (required factor, fallback, drops) to the host through
+  # jax.debug.callback when the layer is given a step; the step returns them either way.
   log_required_ragged_buffer_factor: bool = True
 
   def __post_init__(self):

@@ -90,8 +90,8 @@ def moe_forward(params: MoEParams, x: jax.Array, *, config: MoEConfig, mesh: Mes
                 ) -> tuple[jax.Array, MoEStats]:
   """The MoE layer as a pure function: `x [B, S, D]` -> `(y [B, S, D], MoEStats)`.
 
-  The batch is sharded over every mesh axis. When `step` is given, the layer streams its stats
-  to the host as `metrics.emit.LayerEvent`s labelled (step, layer_index or 0, process, attempt).
+  The batch is sharded over every mesh axis. When `step` is given (and
+  `config.log_required_ragged_buffer_factor`), the layer streams its stats to the host as `metrics.emit.LayerEvent`s labelled (step, layer_index or 0, process, attempt).
   `force_dropless` runs the worst-case buffer (no truncation, no fallback). `chunk_loop` runs
   the fallback's chunks (benchmarks swap in an unrolled loop to compare). Raises `ValueError`
   for a mesh or input that does not fit.
@@ -115,7 +115,7 @@ def moe_forward(params: MoEParams, x: jax.Array, *, config: MoEConfig, mesh: Mes
   fn = jax.shard_map(shard_fn, mesh=mesh, in_specs=(batch, *specs),
                      out_specs=(batch, stats_specs))
   y, stats = fn(x, *params)
-  if step is not None:
+  if step is not None and config.log_required_ragged_buffer_factor:
     # Outside shard_map: the stats are replicated, so one callback per step and layer (two
     # when a rematerialised forward is recomputed), not one per device.
     emit_layer_event(stats, step=labels[0], layer=labels[1], shard=jax.process_index(),

@@ -66,12 +66,20 @@ def keep_mask(ids, *, num_devices: int, shards: int, num_experts: int, rows: int
       budget = rows
       for sender in range(shards):
         shard = group * shards + sender
-        for expert in range(receiver * local, (receiver + 1) * local):
-          for position in np.flatnonzero(per_shard[shard] == expert):
-            if budget > 0:
-              keep[shard, position] = True
-              budget -= 1
+        budget = _keep_in_order(keep[shard], per_shard[shard],
+                                range(receiver * local, (receiver + 1) * local), budget)
   return keep.reshape(ids.shape)
+
+
+def _keep_in_order(keep_row, id_row, experts, budget: int) -> int:
+  """Marks rows of `id_row` routed to `experts`, expert by expert and then by position, while
+  `budget` lasts; returns the budget left."""
+  for expert in experts:
+    for position in np.flatnonzero(id_row == expert):
+      if budget > 0:
+        keep_row[position] = True
+        budget -= 1
+  return budget
 
 
 def traffic(ids, *, num_devices: int, shards: int, num_experts: int) -> np.ndarray:
@@ -95,10 +103,6 @@ def ring_keep_mask(ids, *, num_devices: int, shards: int, num_experts: int,
   local = num_experts // shards
   for group in range(per_group.shape[0]):
     for receiver in range(shards):
-      budget = rows
-      for expert in range(receiver * local, (receiver + 1) * local):
-        for position in np.flatnonzero(per_group[group] == expert):
-          if budget > 0:
-            keep[group, position] = True
-            budget -= 1
+      _keep_in_order(keep[group], per_group[group],
+                     range(receiver * local, (receiver + 1) * local), rows)
   return keep.reshape(ids.shape)

@@ -102,3 +102,18 @@ def test_stacked_layers_return_stats_as_outputs(events):
   for i in range(num_layers):
     _assert_record_matches(step_metrics.layers[i], jax.tree.map(lambda a: a[i], stats))
   assert step_metrics.fallback_layers == int(jnp.sum(stats.fallback))
+
+
+def test_no_events_without_step_or_with_logging_off(events):
+  mesh = moe_hk.make_mesh(**MESH_SHAPE)
+  config = moe_hk.MoEConfig(**BASE, ragged_buffer_factor=0.5)
+  params, x = skewed_inputs(config, 16, 16, skew=3.0, seed=4)
+  _, stats = jax.jit(functools.partial(moe_hk.moe_forward, config=config, mesh=mesh))(params, x)
+  quiet = config.replace(log_required_ragged_buffer_factor=False)
+  jax.jit(functools.partial(moe_hk.moe_forward, config=quiet, mesh=mesh, step=1))(params, x)
+  jax.effects_barrier()
+  assert not events
+  jax.jit(functools.partial(moe_hk.moe_forward, config=config, mesh=mesh, step=1))(params, x)
+  jax.effects_barrier()
+  assert len(events) == 1 and events[0].step == 1 and events[0].layer == 0
+  assert int(stats.dropped_rows) == int(events[0].stats.dropped_rows) > 0
