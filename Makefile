@@ -6,7 +6,7 @@ VENV ?= .venv
 PYVER := $(shell $(PYTHON) -c 'import sys; print("%d.%d" % sys.version_info[:2])')
 STAMP := $(VENV)/.installed-$(PYVER)
 
-.PHONY: install test train clean
+.PHONY: install test train demo clean
 
 install: $(STAMP)
 
@@ -20,7 +20,12 @@ $(STAMP): pyproject.toml constraints.txt
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest -q tests
 
+# The main job: trains the default MoE transformer on 8 simulated CPU devices (resumes if
+# workdir/default holds a run).
 train: $(STAMP)
+	$(VENV)/bin/python -m launch.train --workdir=workdir/default --config=launch/configs/default.py
+
+demo: $(STAMP)
 	$(VENV)/bin/python -m launch.demo
 
 clean:

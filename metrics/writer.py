@@ -62,6 +62,11 @@ class MoEMetricsWriter:
     self._lock = threading.Lock()
     atexit.register(self.close)
 
+  @property
+  def clu_writer(self) -> metric_writers.MetricWriter:
+    """The underlying CLU writer (e.g. for `periodic_actions.ReportProgress`)."""
+    return self._writer
+
   def write_hparams(self, hparams: Mapping[str, Any]) -> None:
     self._writer.write_hparams(dict(hparams))
 

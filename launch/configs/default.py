@@ -1,0 +1,46 @@
+"""Default: a small MoE transformer on Python stdlib bytes, 8 simulated CPU devices, minutes."""
+import ml_collections
+
+
+def get_config() -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+  # Mesh: data x fsdp x expert must equal the device count (8 simulated CPU devices).
+  c.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=1, expert=8))
+  # Model.
+  c.vocab_size = 256          # bytes
+  c.emb_dim = 128
+  c.num_layers = 4
+  c.moe_every = 2             # every 2nd block is MoE (Llama4 interleaving)
+  c.num_heads = 4
+  c.num_kv_heads = 2
+  c.head_dim = 32
+  c.mlp_dim = 256             # dense blocks' SwiGLU width
+  c.dtype = "float32"         # compute dtype ('bfloat16' allowed); params stay float32
+  c.moe = ml_collections.ConfigDict(dict(
+      num_experts=8,
+      num_experts_per_tok=2,
+      mlp_dim=256,
+      ragged_buffer_factor=2.0,
+      dropless_fallback="layer",
+      use_ring_of_experts=False,
+      router_score="softmax",
+      load_balance_loss_weight=0.01,
+      shared_expert=False,
+  ))
+  # Data: batches are a pure function of (seed, step), so resumption is exact.
+  c.data = ml_collections.ConfigDict(dict(
+      source="stdlib", max_bytes=4_000_000, batch_size=16, seq_len=128, seed=0))
+  # Optimisation: AdamW, linear warmup then cosine decay, global-norm clipping.
+  c.learning_rate = 3e-3
+  c.warmup_steps = 20
+  c.train_steps = 200
+  c.weight_decay = 0.01
+  c.grad_clip_norm = 1.0
+  c.seed = 0
+  # Evaluation, logging, checkpoints.
+  c.eval_every = 50
+  c.eval_batches = 2
+  c.log_every = 10
+  c.checkpoint_every = 50
+  c.checkpoints_to_keep = 3
+  return c
