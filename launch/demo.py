@@ -14,7 +14,6 @@ if os.environ["JAX_PLATFORMS"] == "cpu":
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                              " --xla_force_host_platform_device_count=8").strip()
 
-import functools  # noqa: E402
 import json  # noqa: E402
 
 import jax  # noqa: E402

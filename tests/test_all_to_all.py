@@ -1,5 +1,4 @@
 """The emulated ragged all-to-all against the semantics documented for jax.lax.ragged_all_to_all."""
-import functools
 
 import jax
 import jax.numpy as jnp

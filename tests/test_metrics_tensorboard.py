@@ -10,7 +10,6 @@ import urllib.parse
 import urllib.request
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -20,7 +19,7 @@ import metrics
 import moe_hk
 from metrics import writer as writer_lib
 from tests.moe_inputs import skewed_inputs
-from tests.test_metrics_events import BASE, LAYER_CONFIGS, MESH_SHAPE, _unrolled_model
+from tests.test_metrics_events import BASE, MESH_SHAPE, _unrolled_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -1,5 +1,4 @@
 """Step mode: an overflowing step is discarded and replayed on the chunked dropless path."""
-import functools
 
 import jax
 import jax.numpy as jnp

@@ -3,7 +3,6 @@
 This machine has no TPU; the matching libtpu wheel (installed by `make test`) lets XLA compile
 for a v5p topology ahead of time.
 """
-import functools
 
 import jax
 import jax.numpy as jnp
