@@ -58,7 +58,7 @@ def loss_fn(model, params, batch, step):
   out = model.apply(params, None, batch[:, :-1], step)
   ce = optax.softmax_cross_entropy_with_integer_labels(out.logits, batch[:, 1:]).mean()
   lb = sum(s.lb_loss for s in out.moe_stats)
-  return ce + lb, (ce, out.moe_stats)
+  return ce + lb, ce
 
 
 def validate(config: ml_collections.ConfigDict) -> None:
@@ -107,7 +107,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   @jax.jit
   def train_step(state, batch):
     grad_fn = jax.value_and_grad(functools.partial(loss_fn, model), has_aux=True)
-    (_, (ce, stats)), grads = grad_fn(state.params, batch, state.step)
+    (_, ce), grads = grad_fn(state.params, batch, state.step)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     new_state = TrainState(state.step + 1, optax.apply_updates(state.params, updates), opt_state)
     return new_state, {"loss": ce, "grad_norm": optax.tree.norm(grads),
@@ -115,7 +115,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
 
   @jax.jit
   def eval_loss(params, batch):
-    return loss_fn(model, params, batch, None)[1][0]
+    return loss_fn(model, params, batch, None)[1]
 
   state = jax.jit(init)(jax.random.key(config.seed))
   manager = ocp.CheckpointManager(

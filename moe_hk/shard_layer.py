@@ -48,6 +48,8 @@ def moe_shard(x: jax.Array, router_w: jax.Array, experts: ExpertWeights, *, conf
   worst_rows = dispatch_plan.worst_case_rows(shards, tokens, k, local)
 
   route = routing_lib.route(x.reshape(tokens, width), router_w, k, config.router_score)
+  # The capped path gathers these [P, E] counts again inside `path`: a few ints per shard,
+  # kept so both paths share one signature and the custom_vjp's branches stay self-contained.
   traffic = dispatch_plan.traffic_matrix(gather_counts(route.expert_ids, config))
   would_drop = dispatch_plan.overflow_rows(traffic, capped_rows)
   # Uniform over every mesh axis: each device's cond must take the same branch as its peers
