@@ -46,6 +46,7 @@ class MoEConfig:
   router_score: str = "softmax"       # 'softmax' over the K selected logits, or 'sigmoid'.
   dtype: str = "float32"              # Compute dtype of the expert matmuls; params stay float32.
   load_balance_loss_weight: float = 0.01
+  router_z_loss_weight: float = 0.0   # ST-MoE z-loss weight (1e-3 is the usual choice).
   expert_axis: str = "expert"         # Mesh axis the experts are sharded over.
   # Stream each step's stats (required factor, fallback, drops) to the host through
   # jax.debug.callback when the layer is given a step; the step returns them either way.
@@ -75,8 +76,9 @@ class MoEConfig:
     chunks = self.dropless_fallback_num_chunks
     if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 0:
       _fail("dropless_fallback_num_chunks", chunks, "must be 0 (automatic) or a positive integer")
-    if self.load_balance_loss_weight < 0:
-      _fail("load_balance_loss_weight", self.load_balance_loss_weight, "must be >= 0")
+    for name in ("load_balance_loss_weight", "router_z_loss_weight"):
+      if getattr(self, name) < 0:
+        _fail(name, getattr(self, name), "must be >= 0")
     if not self.expert_axis or not isinstance(self.expert_axis, str):
       _fail("expert_axis", self.expert_axis, "must be a mesh axis name")
 

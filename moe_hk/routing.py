@@ -15,6 +15,7 @@ class Routing(NamedTuple):
   expert_ids: jax.Array   # [T, K] int32, the chosen experts in descending logit order.
   weights: jax.Array      # [T, K] float32 combine weights.
   probs: jax.Array        # [T, E] float32 softmax over all logits (load-balance loss only).
+  log_norm: jax.Array     # [T] float32 logsumexp of each token's logits (router z-loss only).
 
 
 def route(x: jax.Array, router_w: jax.Array, k: int, score: str = "softmax") -> Routing:
@@ -31,7 +32,8 @@ def route(x: jax.Array, router_w: jax.Array, k: int, score: str = "softmax") -> 
     weights = jax.nn.sigmoid(top_logits)
   else:
     raise ValueError(f"router score {score!r} is not one of 'softmax', 'sigmoid'.")
-  return Routing(expert_ids.astype(jnp.int32), weights, jax.nn.softmax(logits, axis=-1))
+  return Routing(expert_ids.astype(jnp.int32), weights, jax.nn.softmax(logits, axis=-1),
+                 jax.nn.logsumexp(logits, axis=-1))
 
 
 def tokens_per_expert(expert_ids: jax.Array, num_experts: int) -> jax.Array:
@@ -49,3 +51,11 @@ def load_balance_loss(routing: Routing, num_experts: int) -> jax.Array:
   fraction = counts / routing.expert_ids.size
   mean_prob = jnp.mean(routing.probs, axis=0)
   return num_experts * jnp.sum(fraction * mean_prob)
+
+
+def router_z_loss(routing: Routing) -> jax.Array:
+  """ST-MoE router z-loss of one shard: mean over tokens of logsumexp(logits)^2.
+
+  Keeps router logits small, so their float32 softmax and top-k stay well conditioned.
+  """
+  return jnp.mean(jnp.square(routing.log_norm))

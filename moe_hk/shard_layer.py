@@ -28,6 +28,7 @@ class ShardStats(NamedTuple):
   dropped_rows: jax.Array       # [] int32, rows of the expert group actually dropped.
   tokens_per_expert: jax.Array  # [E] int32, this shard's routed rows per expert.
   lb_loss: jax.Array            # [] float32, this shard's unweighted load-balance loss.
+  z_loss: jax.Array             # [] float32, this shard's unweighted router z-loss.
 
 
 def moe_shard(x: jax.Array, router_w: jax.Array, experts: ExpertWeights, *, config: MoEConfig,
@@ -100,5 +101,6 @@ def moe_shard(x: jax.Array, router_w: jax.Array, experts: ExpertWeights, *, conf
       would_drop_rows=would_drop,
       dropped_rows=dropped,
       tokens_per_expert=routing_lib.tokens_per_expert(route.expert_ids, config.num_experts),
-      lb_loss=routing_lib.load_balance_loss(route, config.num_experts))
+      lb_loss=routing_lib.load_balance_loss(route, config.num_experts),
+      z_loss=routing_lib.router_z_loss(route))
   return y.astype(x.dtype), stats

@@ -14,3 +14,4 @@ class MoEStats(NamedTuple):
   dropped_rows: jax.Array       # [] int32, rows actually dropped (0 after a fallback or uncapped).
   tokens_per_expert: jax.Array  # [E] int32, routed rows per expert over the whole batch.
   lb_loss: jax.Array            # [] float32, load-balance loss x load_balance_loss_weight.
+  z_loss: jax.Array             # [] float32, router z-loss x router_z_loss_weight.

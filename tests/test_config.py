@@ -28,6 +28,7 @@ BASE = dict(num_experts=8, num_experts_per_tok=2, emb_dim=16, mlp_dim=32)
     (dict(dtype="float16"), r"dtype='float16' .*'float32', 'bfloat16'"),
     (dict(dropless_fallback_num_chunks=-1), r"dropless_fallback_num_chunks=-1"),
     (dict(load_balance_loss_weight=-0.1), r"load_balance_loss_weight=-0.1"),
+    (dict(router_z_loss_weight=-1e-3), r"router_z_loss_weight=-0.001 is invalid: must be >= 0"),
 ])
 def test_bad_values_name_field_value_and_range(changes, pattern):
   with pytest.raises(ValueError, match=pattern):

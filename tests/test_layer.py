@@ -28,7 +28,8 @@ def _setup(shards, k, mult, factor, **overrides):
   mesh = moe_hk.make_mesh(data=NUM_DEVICES // shards, expert=shards)
   config = moe_hk.MoEConfig(num_experts=shards * mult, num_experts_per_tok=k, emb_dim=WIDTH,
                             mlp_dim=HIDDEN, ragged_buffer_factor=factor, gmm_block_rows=8,
-                            load_balance_loss_weight=0.1, **overrides)
+                            load_balance_loss_weight=0.1, router_z_loss_weight=1e-3,
+                            **overrides)
   params, x = skewed_inputs(config, BATCH, SEQ, skew=4.0, seed=shards * 100 + k * 10 + mult)
   return mesh, config, params, x
 
@@ -71,6 +72,8 @@ def test_layer_matches_dense_reference(ring, shards, k, mult, factor):
                                 np.bincount(np.asarray(ids).reshape(-1), minlength=num_experts))
   lb = reference.reference_lb_loss(logits, ids, NUM_DEVICES, num_experts) * 0.1
   np.testing.assert_allclose(stats.lb_loss, lb, rtol=1e-5)
+  z = np.mean(np.square(jax.nn.logsumexp(np.asarray(logits, np.float64), axis=-1))) * 1e-3
+  np.testing.assert_allclose(stats.z_loss, z, rtol=1e-5)
 
 
 def test_capped_differs_from_dropless_when_rows_drop():
@@ -139,3 +142,16 @@ def test_haiku_module_params_state_and_sharding():
   stacked = hk.transform(lambda x: moe_hk.MoELayer(config, mesh, name="moe")(x, return_stats=True))
   y2, stats2 = jax.jit(stacked.apply)(params, None, x)
   assert_trees_close((y2, stats2), (y_pure, stats), rtol=0, what="return_stats")
+
+
+def test_router_z_loss_gradient_matches_reference():
+  """The weighted z-loss is differentiable and reaches the router like the reference's."""
+  mesh, config, params, x = _setup(4, 2, 2, 1.0)
+  def z_of(router_w):
+    p = params._replace(router_w=router_w)
+    return moe_hk.moe_forward(p, x, config=config, mesh=mesh)[1].z_loss
+  def z_ref(router_w):
+    logits = jnp.einsum("bsd,de->bse", x, router_w)
+    return jnp.mean(jnp.square(jax.nn.logsumexp(logits, axis=-1))) * 1e-3
+  assert_trees_close(jax.jit(jax.grad(z_of))(params.router_w), jax.grad(z_ref)(params.router_w),
+                     what="d z_loss / d router_w")
