@@ -2,9 +2,11 @@
 
   python -m benchmarks.grouped_matmul [--rows=4096 --k=512 --n=1024 --groups=8 --rounds=15]
 
-Prints JSON, then a table. The dense batched matmul `[G, M/G, K] @ [G, K, N]` is the floor:
-the grouped product does exactly its useful work, but with ragged group sizes. `ragged_dot` on
-XLA:CPU multiplies every row by every group (masked), so it pays G times.
+Prints JSON, then two tables: the forward product, and forward plus the gradients of both
+operands (value_and_grad of `sum(out * cotangent)`), each against its dense batched
+equivalent `[G, M/G, K] @ [G, K, N]`, the floor: the grouped product does exactly its useful
+work, but with ragged group sizes. `ragged_dot` on XLA:CPU multiplies every row by every group
+(masked), so it pays G times; it is timed forward only.
 """
 import argparse
 import functools
@@ -17,6 +19,36 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from moe_hk import grouped_matmul  # noqa: E402
+
+BLOCK_ROWS = (128, 256, 512)
+
+
+def value_and_grads(product):
+  """`product(lhs, rhs, sizes)` -> jitted `(lhs, rhs, sizes, cot) -> (sum(out * cot), (dlhs,
+  drhs))`."""
+  loss = lambda lhs, rhs, sizes, cot: jnp.sum(product(lhs, rhs, sizes) * cot)
+  return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+
+
+def variants(lhs, rhs, cot, sizes: dict[str, jax.Array], backward: bool) -> dict:
+  """Zero-argument calls to time, dense batched first: forward only, or with `backward`
+  value_and_grad against the cotangent `cot [M, N]`."""
+  (m, k), (g, _, n) = lhs.shape, rhs.shape
+  dense = lambda a, b, _: jnp.einsum("gmk,gkn->gmn", a.reshape(g, m // g, k), b).reshape(m, n)
+  products = {"dense_batched": (dense, {"": sizes["balanced"]})}
+  for rows in BLOCK_ROWS:
+    blocked = functools.partial(grouped_matmul.blocked_grouped_matmul, block_rows=rows)
+    products[f"blocked_b{rows}"] = (blocked, sizes)
+  if not backward:
+    products["ragged_dot"] = (jax.lax.ragged_dot, {"balanced": sizes["balanced"]})
+  fns = {}
+  for name, (product, cases) in products.items():
+    call = value_and_grads(product) if backward else jax.jit(product)
+    extra = (cot,) if backward else ()
+    for case, case_sizes in cases.items():
+      label = f"{name}_{case}" if case else name
+      fns[label] = functools.partial(call, lhs, rhs, case_sizes, *extra)
+  return fns
 
 
 def main():
@@ -31,26 +63,20 @@ def main():
   rng = np.random.default_rng(0)
   lhs = jnp.asarray(rng.normal(size=(m, k)), jnp.float32)
   rhs = jnp.asarray(rng.normal(size=(g, k, n)), jnp.float32)
-  balanced = jnp.full((g,), m // g, jnp.int32)
+  cot = jnp.asarray(rng.normal(size=(m, n)), jnp.float32)
   # Uneven but same total: a realistic skew (one hot expert with a third of the rows).
   uneven = np.full(g, (m - m // 3) // (g - 1)); uneven[0] = m - uneven[1:].sum()
-  uneven = jnp.asarray(uneven, jnp.int32)
+  sizes = {"balanced": jnp.full((g,), m // g, jnp.int32), "uneven": jnp.asarray(uneven, jnp.int32)}
 
-  dense = jax.jit(lambda a, b: jnp.einsum("gmk,gkn->gmn", a.reshape(g, m // g, k), b))
-  fns = {"dense_batched": lambda: dense(lhs, rhs)}
-  for rows in (128, 256, 512):
-    blocked = jax.jit(functools.partial(grouped_matmul.blocked_grouped_matmul, block_rows=rows))
-    fns[f"blocked_b{rows}_balanced"] = functools.partial(blocked, lhs, rhs, balanced)
-    fns[f"blocked_b{rows}_uneven"] = functools.partial(blocked, lhs, rhs, uneven)
-  ragged = jax.jit(jax.lax.ragged_dot)
-  fns["ragged_dot_balanced"] = functools.partial(ragged, lhs, rhs, balanced)
-
-  summary = timing.ratio_summary(timing.interleaved(fns, args.rounds), "dense_batched")
   result = {"shape": {"rows": m, "k": k, "n": n, "groups": g}, "rounds": args.rounds,
-            "platform": jax.devices()[0].platform, "results": summary}
+            "platform": jax.devices()[0].platform, "results": {}}
+  for mode, backward in (("forward", False), ("forward_backward", True)):
+    samples = timing.interleaved(variants(lhs, rhs, cot, sizes, backward), args.rounds)
+    result["results"][mode] = timing.ratio_summary(samples, "dense_batched")
   print(json.dumps(result, indent=2))
-  timing.print_table(f"grouped matmul {m}x{k}x{n} over {g} groups ({args.rounds} rounds)",
-                     summary, "dense_batched")
+  for mode, summary in result["results"].items():
+    timing.print_table(f"{mode}: grouped matmul {m}x{k}x{n} over {g} groups "
+                       f"({args.rounds} rounds)", summary, "dense_batched")
 
 
 if __name__ == "__main__":

@@ -2,123 +2,172 @@
 
 Shapes: M rows grouped by expert (group g holds `group_sizes[g]` consecutive rows, rows past
 `sum(group_sizes)` are padding), G groups (local experts), D model width, F expert width,
-b rows per block, NB blocks.
+K / N contracted / output width of one grouped matmul, r rows of one tile, V tile levels.
 
 `ragged_dot` is the accelerator backend. On XLA:CPU `ragged_dot` is a masked dense product
-that pays G times the useful FLOPs, so the `blocked` backend instead lays each group out in
-whole blocks of b rows (at most G - 1 extra blocks of padding in all) and loops over blocks,
-multiplying each by its own expert's weights.
+that pays G times the useful FLOPs, so the `blocked` backend loops over groups instead and cuts
+each group's rows, where they lie, into tiles of halving size (b, b/2, ... down to about b/8
+rows), multiplying each tile by its group's weights. Only a group's last tile can reach past
+it (a masked tail, less than b/8 rows wasted), so nothing is copied into a padded layout,
+padding rows past the groups cost nothing, and each group's weights are sliced once, not once
+per tile. Requires sum(group_sizes) <= M.
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+import functools
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from moe_hk.vma import sum_to_axes_of, vary_like
 
-
-def _cdiv(a, b):
-  return (a + b - 1) // b
-
-
-class BlockLayout(NamedTuple):
-  """Where each row goes when groups are padded to whole blocks of b rows."""
-  source: jax.Array       # [NB * b] int32 row feeding each padded slot (clipped when empty).
-  valid: jax.Array        # [NB * b] bool, slot holds a real row.
-  block_group: jax.Array  # [NB] int32 group of each block (clipped to G - 1 for empty blocks).
-  slot: jax.Array         # [M] int32 padded slot of each row; NB * b for padding rows.
+# The smallest tile is about block_rows / 8 rows: the masked tail of a group then wastes at
+# most an eighth of a block, while tiles stay big enough for the dot to be compute bound.
+_HALVINGS = 3
 
 
-def block_layout(group_sizes: jax.Array, num_rows: int, block_rows: int) -> BlockLayout:
-  """Padded block layout of `num_rows` rows in `G = len(group_sizes)` groups."""
-  num_groups = group_sizes.shape[0]
-  # Each group wastes at most b - 1 rows, so this many blocks always suffice.
-  num_blocks = _cdiv(num_rows + num_groups * (block_rows - 1), block_rows)
-  group_sizes = group_sizes.astype(jnp.int32)
-  blocks = _cdiv(group_sizes, block_rows)
-  block_end = jnp.cumsum(blocks)
-  block_start = block_end - blocks
-  row_end = jnp.cumsum(group_sizes)
-  row_start = row_end - group_sizes
-
-  block_group = jnp.searchsorted(block_end, jnp.arange(num_blocks), side="right")  # [NB]
-  slot_ids = jnp.arange(num_blocks * block_rows, dtype=jnp.int32)
-  slot_group = jnp.repeat(block_group, block_rows, total_repeat_length=num_blocks * block_rows)
-  group = jnp.minimum(slot_group, num_groups - 1)
-  in_group = slot_ids - block_start[group] * block_rows
-  valid = (slot_group < num_groups) & (in_group < group_sizes[group])
-  source = jnp.where(valid, row_start[group] + in_group, 0)
-
-  rows = jnp.arange(num_rows, dtype=jnp.int32)
-  row_group = jnp.minimum(jnp.searchsorted(row_end, rows, side="right"), num_groups - 1)
-  slot = jnp.where(rows < row_end[-1],
-                   block_start[row_group] * block_rows + rows - row_start[row_group],
-                   num_blocks * block_rows)
-  return BlockLayout(source, valid, jnp.minimum(block_group, num_groups - 1).astype(jnp.int32),
-                     slot.astype(jnp.int32))
+class Level(NamedTuple):
+  """One static tile shape of the tiling."""
+  rows: int      # r, rows per tile.
+  masked: bool   # Tile may reach past its group (the tail level), so rows are masked.
 
 
-@jax.custom_vjp
-def block_matmul(x: jax.Array, w: jax.Array, block_group: jax.Array) -> jax.Array:
-  """`y[n] = x[n] @ w[block_group[n]]` for `x [NB, b, K]`, `w [G, K, N]` -> `[NB, b, N]`."""
-  def body(_, xs):
-    x_blk, g = xs
-    return None, jnp.dot(x_blk, w[g])
-  return jax.lax.scan(body, None, (x, block_group))[1]
+class Tiling(NamedTuple):
+  """Where each group's tiles lie; level v tiles rows `start + level_start[g, v]` onwards."""
+  group_start: jax.Array  # [G] int32 first row of each group.
+  group_end: jax.Array    # [G] int32 one past each group's last row.
+  level_start: jax.Array  # [G, V] int32 first row of each level, relative to group_start.
+  level_count: jax.Array  # [G, V] int32 tiles at each level.
 
 
-def _block_matmul_fwd(x, w, block_group):
-  return block_matmul(x, w, block_group), (x, w, block_group)
+def tile_levels(block_rows: int, num_rows: int) -> tuple[Level, ...]:
+  """Exact levels b, b/2, ... (halving while even, at most `_HALVINGS` times) with
+  b = min(block_rows, num_rows), then a masked tail level of the smallest size."""
+  rows = [min(block_rows, num_rows)]
+  while len(rows) <= _HALVINGS and rows[-1] % 2 == 0:
+    rows.append(rows[-1] // 2)
+  return tuple(Level(r, False) for r in rows) + (Level(rows[-1], True),)
 
 
-def _block_matmul_bwd(res, dy):
-  # Hand-written so the weight gradient accumulates in place per block; autodiff of the scan
-  # would add a full [G, K, N] cotangent on every iteration.
-  x, w, block_group = res
-  dx = block_matmul(dy, jnp.swapaxes(w, 1, 2), block_group)
+def tiling(group_sizes: jax.Array, levels: tuple[Level, ...]) -> Tiling:
+  """Tiles of `group_sizes [G]`: each exact level covers as many whole tiles as fit in what
+  is left of the group; the tail level takes the rest (fewer rows than one tile) if any."""
+  sizes = group_sizes.astype(jnp.int32)
+  group_end = jnp.cumsum(sizes)
+  done = jnp.zeros_like(sizes)
+  starts, counts = [], []
+  for level in levels:
+    count = (sizes > done).astype(jnp.int32) if level.masked else (sizes - done) // level.rows
+    starts.append(done)
+    counts.append(count)
+    done = done + count * level.rows
+  return Tiling(group_end - sizes, group_end, jnp.stack(starts, 1), jnp.stack(counts, 1))
 
-  def body(dw, xs):
-    x_blk, dy_blk, g = xs
-    return dw.at[g].add(jnp.dot(x_blk.T, dy_blk, preferred_element_type=jnp.float32)), None
-  dw0 = vary_like(jnp.zeros(w.shape, jnp.float32), x, dy, block_group)
-  dw = jax.lax.scan(body, dw0, (x, dy, block_group))[0]
+
+class _Tile(NamedTuple):
+  offset: jax.Array      # [] int32 first row of the tile's slice (inside [0, M - r]).
+  keep: jax.Array | None  # [r, 1] bool rows of the tile's group; None for exact levels.
+
+
+def _tile(tiles: Tiling, g: jax.Array, v: int, i: jax.Array, level: Level, num_rows: int
+          ) -> _Tile:
+  """Tile `i` of level `v` of group `g`. A tail tile that would run past row M is slid back,
+  and masked to its own group's rows either way."""
+  start = tiles.group_start[g] + tiles.level_start[g, v] + i * level.rows
+  if not level.masked:
+    return _Tile(start, None)
+  offset = jnp.minimum(start, num_rows - level.rows)
+  rows = offset + jnp.arange(level.rows)
+  return _Tile(offset, ((rows >= start) & (rows < tiles.group_end[g]))[:, None])
+
+
+def _read(x: jax.Array, tile: _Tile, level: Level) -> jax.Array:
+  """Rows `x [M, C]` of the tile -> `[r, C]`, rows outside its group zeroed."""
+  block = jax.lax.dynamic_slice_in_dim(x, tile.offset, level.rows)
+  return block if tile.keep is None else jnp.where(tile.keep, block, 0)
+
+
+def _write(out: jax.Array, block: jax.Array, tile: _Tile) -> jax.Array:
+  """`out [M, C]` with the tile's rows of its group set from `block [r, C]`."""
+  if tile.keep is not None:
+    old = jax.lax.dynamic_slice_in_dim(out, tile.offset, block.shape[0])
+    block = jnp.where(tile.keep, block, old)
+  return jax.lax.dynamic_update_slice_in_dim(out, block.astype(out.dtype), tile.offset, 0)
+
+
+def _for_each_tile(g: jax.Array, tiles: Tiling, levels: tuple[Level, ...], num_rows: int,
+                   body: Callable[[_Tile, Level, Any], Any], carry: Any) -> Any:
+  """Runs `carry = body(tile, level, carry)` over group g's tiles, level by level."""
+  for v, level in enumerate(levels):
+    step = lambda i, c, v=v, level=level: body(_tile(tiles, g, v, i, level, num_rows), level, c)
+    carry = jax.lax.fori_loop(0, tiles.level_count[g, v], step, carry)
+  return carry
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def tiled_matmul(x: jax.Array, w: jax.Array, tiles: Tiling, levels: tuple[Level, ...]
+                 ) -> jax.Array:
+  """`x [M, K]` grouped rows times `w [G, K, N]` -> `[M, N]`, rows outside the tiles 0."""
+  def tile_product(w_g, tile, level, out):
+    x_t = jax.lax.dynamic_slice_in_dim(x, tile.offset, level.rows)  # [r, K]; _write masks.
+    return _write(out, jnp.dot(x_t, w_g), tile)
+
+  def group(g, out):
+    return _for_each_tile(g, tiles, levels, x.shape[0],
+                          functools.partial(tile_product, w[g]), out)
+  out = vary_like(jnp.zeros((x.shape[0], w.shape[2]), jnp.result_type(x, w)), x, w, *tiles)
+  return jax.lax.fori_loop(0, w.shape[0], group, out)
+
+
+def _tiled_matmul_fwd(x, w, tiles, levels):
+  return tiled_matmul(x, w, tiles, levels), (x, w, tiles)
+
+
+def _tiled_matmul_bwd(levels, res, dy):
+  # Hand-written so each group's weight gradient accumulates in one [K, N] carry and is stored
+  # once; autodiff of the loops would add a full [G, K, N] cotangent on every tile.
+  x, w, tiles = res
+
+  def tile_grads(w_g, tile, level, carry):
+    dx, dw_g = carry
+    dy_t = _read(dy, tile, level)                                          # [r, N]
+    dx = _write(dx, jax.lax.dot_general(dy_t, w_g, (((1,), (1,)), ((), ()))), tile)
+    x_t = _read(x, tile, level)  # [r, K], masked too: a non-finite foreign row must not leak.
+    return dx, dw_g + jax.lax.dot_general(x_t, dy_t, (((0,), (0,)), ((), ())),
+                                          preferred_element_type=jnp.float32)
+
+  def group(g, carry):
+    dx, dw = carry
+    dw_g = vary_like(jnp.zeros(w.shape[1:], jnp.float32), x, w, dy, *tiles)  # [K, N]
+    dx, dw_g = _for_each_tile(g, tiles, levels, x.shape[0],
+                              functools.partial(tile_grads, w[g]), (dx, dw_g))
+    return dx, jax.lax.dynamic_update_index_in_dim(dw, dw_g, g, 0)
+  dx = vary_like(jnp.zeros_like(x), x, w, dy, *tiles)
+  dw = vary_like(jnp.zeros(w.shape, jnp.float32), x, w, dy, *tiles)
+  dx, dw = jax.lax.fori_loop(0, w.shape[0], group, (dx, dw))
   return sum_to_axes_of(dx, x), sum_to_axes_of(dw, w).astype(w.dtype), None
 
 
-block_matmul.defvjp(_block_matmul_fwd, _block_matmul_bwd)
+tiled_matmul.defvjp(_tiled_matmul_fwd, _tiled_matmul_bwd)
 
 
 def _swiglu(h0: jax.Array, h1: jax.Array) -> jax.Array:
   return jax.nn.silu(h0) * h1
 
 
-def _to_blocks(x: jax.Array, layout: BlockLayout, block_rows: int) -> jax.Array:
-  """Grouped rows `[M, K]` -> zero-padded blocks `[NB, b, K]`."""
-  padded = jnp.where(layout.valid[:, None], x[layout.source], 0)
-  return padded.reshape(-1, block_rows, x.shape[-1])
-
-
-def _from_blocks(y: jax.Array, layout: BlockLayout) -> jax.Array:
-  """Blocks `[NB, b, N]` -> rows `[M, N]`; padding rows get 0."""
-  return jnp.take(y.reshape(-1, y.shape[-1]), layout.slot, axis=0, mode="fill", fill_value=0)
-
-
 def blocked_grouped_matmul(lhs, rhs, group_sizes, block_rows: int) -> jax.Array:
   """`lhs [M, K]` grouped rows times `rhs [G, K, N]` -> `[M, N]` (padding rows give 0)."""
-  layout = block_layout(group_sizes, lhs.shape[0], block_rows)
-  return _from_blocks(block_matmul(_to_blocks(lhs, layout, block_rows), rhs, layout.block_group),
-                      layout)
+  levels = tile_levels(block_rows, lhs.shape[0])
+  return tiled_matmul(lhs, rhs, tiling(group_sizes, levels), levels)
 
 
 def blocked_expert_mlp(x, wi_0, wi_1, wo, group_sizes, block_rows: int) -> jax.Array:
-  """SwiGLU experts on grouped rows `x [M, D]` -> `[M, D]`; one layout for all three matmuls."""
-  layout = block_layout(group_sizes, x.shape[0], block_rows)
-  blocks = _to_blocks(x, layout, block_rows)                  # [NB, b, D]
-  h = _swiglu(block_matmul(blocks, wi_0, layout.block_group),
-              block_matmul(blocks, wi_1, layout.block_group))  # [NB, b, F]
-  return _from_blocks(block_matmul(h, wo, layout.block_group), layout)
+  """SwiGLU experts on grouped rows `x [M, D]` -> `[M, D]`; one tiling for all three matmuls."""
+  levels = tile_levels(block_rows, x.shape[0])
+  tiles = tiling(group_sizes, levels)
+  h = _swiglu(tiled_matmul(x, wi_0, tiles, levels), tiled_matmul(x, wi_1, tiles, levels))  # [M, F]
+  return tiled_matmul(h, wo, tiles, levels)
 
 
 def ragged_dot_expert_mlp(x, wi_0, wi_1, wo, group_sizes) -> jax.Array:

@@ -22,10 +22,11 @@ def _dense_reference(x, wi_0, wi_1, wo, group_sizes):
 
 @pytest.mark.parametrize("impl,block_rows", [
     ("blocked", 1), ("blocked", 3), ("blocked", 8), ("blocked", 128), ("ragged_dot", 0)])
-@pytest.mark.parametrize("group_sizes", [[5, 0, 7, 2], [0, 0, 0, 0], [20, 0, 0, 0], [1, 1, 1, 13]])
+@pytest.mark.parametrize("group_sizes", [
+    [5, 0, 7, 2], [0, 0, 0, 0], [20, 0, 0, 0], [1, 1, 1, 13], [0, 24, 0, 0]])
 def test_expert_mlp_matches_per_row_reference(impl, block_rows, group_sizes):
   rng = np.random.default_rng(sum(group_sizes))
-  rows, d, f, g = 24, 6, 10, len(group_sizes)  # 24 > sum: trailing padding rows.
+  rows, d, f, g = 24, 6, 10, len(group_sizes)  # rows past sum(group_sizes) are padding.
   x, wi_0, wi_1, wo = (jnp.asarray(rng.normal(size=s), jnp.float32)
                        for s in [(rows, d), (g, d, f), (g, d, f), (g, f, d)])
   sizes = jnp.asarray(group_sizes, jnp.int32)
@@ -47,18 +48,80 @@ def test_expert_mlp_matches_per_row_reference(impl, block_rows, group_sizes):
   np.testing.assert_array_equal(np.asarray(y)[sum(group_sizes):], 0)  # padding rows are zero
 
 
-def test_block_layout_wastes_less_than_a_block_per_group():
-  sizes = jnp.array([5, 0, 7, 2], jnp.int32)
-  layout = grouped_matmul.block_layout(sizes, num_rows=16, block_rows=4)
-  # ceil(5/4) + 0 + ceil(7/4) + ceil(2/4) = 5 blocks used; the static bound is cdiv(16 + 12, 4).
-  assert layout.block_group.shape == (7,)
-  np.testing.assert_array_equal(layout.block_group[:5], [0, 0, 2, 2, 3])
-  np.testing.assert_array_equal(np.asarray(layout.valid).sum(), 14)
-  np.testing.assert_array_equal(layout.slot[:14], [0, 1, 2, 3, 4, 8, 9, 10, 11, 12, 13, 14, 16, 17])
-  np.testing.assert_array_equal(layout.slot[14:], [28, 28])  # padding rows point past the end
+def test_tile_levels_halve_then_end_with_a_masked_tail():
+  L = grouped_matmul.Level
+  assert grouped_matmul.tile_levels(128, 4096) == (
+      L(128, False), L(64, False), L(32, False), L(16, False), L(16, True))
+  assert grouped_matmul.tile_levels(6, 4096) == (L(6, False), L(3, False), L(3, True))
+  assert grouped_matmul.tile_levels(128, 24) == (  # never wider than the rows
+      L(24, False), L(12, False), L(6, False), L(3, False), L(3, True))
 
 
-@pytest.mark.parametrize("block_rows", [1, 4, 64])
+def test_tiling_covers_each_group_with_one_short_masked_tail():
+  levels = grouped_matmul.tile_levels(6, 16)  # 6, 3, then a masked tail of 3
+  tiles = grouped_matmul.tiling(jnp.array([5, 0, 7, 2], jnp.int32), levels)
+  np.testing.assert_array_equal(tiles.group_start, [0, 5, 5, 12])
+  np.testing.assert_array_equal(tiles.group_end, [5, 5, 12, 14])
+  # 5 = 3 + tail 2; 0 = nothing; 7 = 6 + tail 1; 2 = tail 2.
+  np.testing.assert_array_equal(tiles.level_count, [[0, 1, 1], [0, 0, 0], [1, 0, 1], [0, 0, 1]])
+  np.testing.assert_array_equal(tiles.level_start, [[0, 0, 3], [0, 0, 0], [0, 6, 6], [0, 0, 0]])
+
+
+@pytest.mark.parametrize("block_rows", [1, 5, 8, 64])
+@pytest.mark.parametrize("seed", range(4))
+def test_tiles_cover_every_grouped_row_exactly_once(block_rows, seed):
+  rng = np.random.default_rng(seed)
+  rows, g = 50, 5
+  sizes = rng.multinomial(rng.integers(0, rows + 1), rng.dirichlet(np.full(g, 0.5)))
+  levels = grouped_matmul.tile_levels(block_rows, rows)
+  tiles = jax.tree.map(np.asarray, grouped_matmul.tiling(jnp.asarray(sizes, jnp.int32), levels))
+  for group in range(g):
+    covered = []
+    for v, level in enumerate(levels):
+      for i in range(tiles.level_count[group, v]):
+        first = tiles.group_start[group] + tiles.level_start[group, v] + i * level.rows
+        last = first + level.rows
+        if level.masked:  # only the rest of its group, less than a whole tile
+          assert 0 < tiles.group_end[group] - first < level.rows
+          last = tiles.group_end[group]
+        assert last <= tiles.group_end[group]
+        covered.extend(range(first, last))
+    np.testing.assert_array_equal(covered, np.arange(tiles.group_start[group],
+                                                     tiles.group_end[group]))
+
+
+def test_padding_rows_never_reach_outputs_or_gradients():
+  rng = np.random.default_rng(0)
+  sizes = jnp.array([1, 16], jnp.int32)  # the tail tile of group 1 slides back from the end
+  lhs = rng.normal(size=(20, 5)).astype(np.float32)
+  lhs[17:] = np.nan  # padding rows
+  rhs = jnp.asarray(rng.normal(size=(2, 5, 7)), jnp.float32)
+  loss = lambda a, w: jnp.sum(grouped_matmul.blocked_grouped_matmul(a, w, sizes, 6) ** 2)
+  value, (dlhs, drhs) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(jnp.asarray(lhs), rhs)
+  clean = np.where(np.isnan(lhs), 0, lhs)
+  want_value, (want_dlhs, want_drhs) = jax.value_and_grad(loss, argnums=(0, 1))(
+      jnp.asarray(clean), rhs)
+  assert_trees_close((value, dlhs, drhs), (want_value, want_dlhs, want_drhs), what="nan pad")
+
+
+def test_bfloat16_keeps_dtypes():
+  rng = np.random.default_rng(1)
+  sizes = jnp.array([9, 0, 23], jnp.int32)
+  lhs = jnp.asarray(rng.normal(size=(40, 16)), jnp.bfloat16)
+  rhs = jnp.asarray(rng.normal(size=(3, 16, 8)), jnp.bfloat16)
+  cot = jnp.asarray(rng.normal(size=(40, 8)), jnp.bfloat16)
+
+  def value_and_grads(a, w):
+    loss = lambda a, w: jnp.sum(grouped_matmul.blocked_grouped_matmul(a, w, sizes, 8) * cot)
+    return grouped_matmul.blocked_grouped_matmul(a, w, sizes, 8), jax.grad(loss, (0, 1))(a, w)
+  got = jax.jit(value_and_grads)(lhs, rhs)
+  assert [x.dtype for x in jax.tree.leaves(got)] == [jnp.bfloat16] * 3
+  f32 = lambda t: t.astype(jnp.float32)
+  want = value_and_grads(f32(lhs), f32(rhs))
+  assert_trees_close(jax.tree.map(f32, got), want, rtol=2e-2, what="bf16")
+
+
+@pytest.mark.parametrize("block_rows", [1, 4, 6, 64])
 def test_blocked_grouped_matmul_single_product(block_rows):
   rng = np.random.default_rng(block_rows)
   sizes = np.array([3, 0, 9, 4])
