@@ -11,6 +11,7 @@ from typing import Any
 import jax.numpy as jnp
 
 FALLBACK_MODES = ("none", "layer", "step")
+FALLBACK_CHUNKINGS = ("fixed", "adaptive")
 A2A_IMPLS = ("auto", "native", "emulated")
 GMM_IMPLS = ("auto", "ragged_dot", "blocked")
 ROUTER_SCORES = ("softmax", "sigmoid")
@@ -32,16 +33,21 @@ class MoEConfig:
   # Receive buffer per EP shard = factor x balanced rows (T * K); -1 = worst case (never drops).
   ragged_buffer_factor: float = -1.0
   # What happens when a shard's buffer would overflow: 'none' drops rows, 'layer' reruns the
-  # layer dropless over sequence chunks, 'step' replays the train step (ring-of-experts only).
+  # layer dropless over token chunks, 'step' replays the train step (ring-of-experts only).
   moe_dropless_fallback: str = "none"
-  # 0 picks the fewest sequence chunks whose worst-case buffer fits the capped one.
+  # 0 picks the fewest token chunks whose worst-case buffer fits the capped one.
   dropless_fallback_num_chunks: int = 0
+  # How many chunks the 'layer' fallback runs (both paths): 'fixed' always runs the count above
+  # (n, sized for the worst case); 'adaptive' decides at run time: p chunks (n's smallest
+  # divisor > 1, 2 when n is even) if every chunk's actual traffic fits the capped buffer,
+  # else n. A mild overflow then costs about 2 chunks, not n. The 'step' replay always runs n.
+  dropless_fallback_chunking: str = "fixed"
   use_ring_of_experts: bool = False   # All-gather tokens instead of the ragged all-to-all.
   # Set in the replay graph of moe_dropless_fallback='step' (see `for_step_replay`): every
   # layer runs the chunked dropless path, never the worst-case buffer.
   step_replay: bool = False
   a2a_impl: str = "auto"              # 'native' (TPU/GPU), 'emulated' (CPU), 'auto' by platform.
-  gmm_impl: str = "auto"              # 'ragged_dot' (TPU/GPU), 'blocked' (CPU), 'auto' by platform.
+  gmm_impl: str = "auto"              # 'ragged_dot' (TPU), 'blocked' (CPU, GPU), 'auto' by platform.
   gmm_block_rows: int = 128           # Row block of the 'blocked' grouped matmul.
   router_score: str = "softmax"       # 'softmax' over the K selected logits, or 'sigmoid'.
   dtype: str = "float32"              # Compute dtype of the expert matmuls; params stay float32.
@@ -65,6 +71,7 @@ class MoEConfig:
         factor == -1 or factor > 0):
       _fail("ragged_buffer_factor", factor, "must be -1 (worst-case buffer) or > 0")
     self._check_choice("moe_dropless_fallback", FALLBACK_MODES)
+    self._check_choice("dropless_fallback_chunking", FALLBACK_CHUNKINGS)
     self._check_choice("a2a_impl", A2A_IMPLS)
     self._check_choice("gmm_impl", GMM_IMPLS)
     self._check_choice("router_score", ROUTER_SCORES)

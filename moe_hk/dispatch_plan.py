@@ -71,6 +71,19 @@ def overflow_rows(traffic: jax.Array, rows: int) -> jax.Array:
   return jnp.sum(jnp.maximum(traffic.sum(axis=0) - rows, 0))
 
 
+def chunk_receiver_rows(fine_counts: jax.Array, num_chunks: int) -> jax.Array:
+  """`[num_chunks, P]`: rows each receiver's L experts get in each of `num_chunks` chunks.
+
+  `fine_counts [P, n, E]` holds sender i's rows per expert in each of n fine chunks, and
+  `num_chunks` divides n: chunk c merges fine chunks c * n / num_chunks onwards. The ring of
+  experts receives the same rows (its gathered chunk's rows for each shard's experts).
+  """
+  senders, fine, experts = fine_counts.shape
+  merged = fine_counts.reshape(senders, num_chunks, fine // num_chunks, senders,
+                               experts // senders)
+  return merged.sum(axis=(0, 2, 4))
+
+
 def exclusive_cumsum(x: jax.Array, axis: int = -1) -> jax.Array:
   return jnp.cumsum(x, axis=axis) - x
 

@@ -29,6 +29,7 @@ class ShardStats(NamedTuple):
   tokens_per_expert: jax.Array  # [E] int32, this shard's routed rows per expert.
   lb_loss: jax.Array            # [] float32, this shard's unweighted load-balance loss.
   z_loss: jax.Array             # [] float32, this shard's unweighted router z-loss.
+  fallback_chunks: jax.Array    # [] int32, chunks the dropless fallback ran in (0: it did not).
 
 
 def moe_shard(x: jax.Array, router_w: jax.Array, experts: ExpertWeights, *, config: MoEConfig,
@@ -39,7 +40,8 @@ def moe_shard(x: jax.Array, router_w: jax.Array, experts: ExpertWeights, *, conf
 
   Picks, statically, one of: the worst-case buffer (`force_dropless`); the chunked dropless
   path (`config.step_replay`); the capped path behind an overflow check that falls back to the
-  chunked path (`moe_dropless_fallback='layer'`); or the capped path alone.
+  chunked path (`moe_dropless_fallback='layer'`; with adaptive chunking, to the fewest chunks
+  that fit); or the capped path alone.
   """
   batch, seq, width = x.shape
   tokens, k = batch * seq, config.num_experts_per_tok
@@ -53,9 +55,6 @@ def moe_shard(x: jax.Array, router_w: jax.Array, experts: ExpertWeights, *, conf
   # kept so both paths share one signature and the custom_vjp's branches stay self-contained.
   traffic = dispatch_plan.traffic_matrix(gather_counts(route.expert_ids, config))
   would_drop = dispatch_plan.overflow_rows(traffic, capped_rows)
-  # Uniform over every mesh axis: each device's cond must take the same branch as its peers
-  # in every collective inside the branches.
-  overflow = jax.lax.pmax(would_drop > 0, mesh_axes)
 
   path = ring_moe if config.use_ring_of_experts else ragged_moe
   run = functools.partial(path, config=config, backends=backends)
@@ -68,32 +67,52 @@ def moe_shard(x: jax.Array, router_w: jax.Array, experts: ExpertWeights, *, conf
             weights_.reshape(tokens, k), experts_, rows=capped_rows)
     return y.reshape(batch, seq, width)
 
-  def chunked(operands, expert_ids):
-    x_, weights_, experts_ = operands
-    num_chunks = fallback.fallback_num_chunks(
+  def chunked(num_chunks):
+    # A chunk's buffer is the capped one, or its worst case if smaller: every rung but the
+    # last runs only when its chunks' actual traffic fits (see `adaptive_rung`).
+    chunk_rows = min(capped_rows, dispatch_plan.worst_case_rows(
+        shards, tokens // num_chunks, k, local))
+    def run_chunks(operands, expert_ids):
+      x_, weights_, experts_ = operands
+      def chunk(x_c, ids_c, weights_c):
+        return run(x_c, ids_c, weights_c, experts_, rows=chunk_rows)
+      return fallback.chunked_dropless(chunk, x_, (expert_ids, weights_), num_chunks,
+                                       chunk_loop)
+    return run_chunks
+
+  def max_chunks():
+    return fallback.fallback_num_chunks(
         batch=batch, seq=seq, k=k, shards=shards, local_experts=local, rows=capped_rows,
         requested=config.dropless_fallback_num_chunks)
-    chunk_rows = dispatch_plan.worst_case_rows(shards, tokens // num_chunks, k, local)
-    def chunk(x_c, ids_c, weights_c):
-      return run(x_c, ids_c, weights_c, experts_, rows=chunk_rows)
-    return fallback.chunked_dropless(chunk, x_, (expert_ids, weights_), num_chunks, chunk_loop)
 
   operands = (x, weights, experts)
   zero = jnp.zeros((), jnp.int32)
   if force_dropless:
     y = run(x.reshape(tokens, width), route.expert_ids, route.weights, experts,
             rows=worst_rows).reshape(batch, seq, width)
-    ran_fallback, dropped = zero, zero
+    ran_fallback, dropped, chunks = zero, zero, zero
   elif config.step_replay:
-    y = chunked(operands, ids)
-    ran_fallback, dropped = jnp.ones((), jnp.int32), zero
+    num_chunks = max_chunks()
+    y = chunked(num_chunks)(operands, ids)
+    ran_fallback, dropped, chunks = jnp.ones((), jnp.int32), zero, jnp.int32(num_chunks)
   elif config.moe_dropless_fallback == "layer" and capped_rows < worst_rows:
-    y = fallback.cond_with_recompute(overflow, chunked, capped, operands, ids)
-    ran_fallback = overflow.astype(jnp.int32)
-    dropped = jnp.where(overflow, 0, would_drop)
+    num_chunks = max_chunks()
+    if config.dropless_fallback_chunking == "adaptive":
+      rungs = fallback.chunk_ladder(num_chunks)
+      index = adaptive_rung(ids, rungs, capped_rows, config=config, mesh_axes=mesh_axes)
+      y = fallback.switch_with_recompute(index, (capped, *map(chunked, rungs)), operands, ids)
+    else:
+      # Uniform over every mesh axis: each device's cond must take the same branch as its
+      # peers in every collective inside the branches.
+      overflow = jax.lax.pmax(would_drop > 0, mesh_axes)
+      y = fallback.cond_with_recompute(overflow, chunked(num_chunks), capped, operands, ids)
+      rungs, index = (num_chunks,), overflow.astype(jnp.int32)
+    ran_fallback = (index > 0).astype(jnp.int32)
+    dropped = jnp.where(index > 0, 0, would_drop)
+    chunks = jnp.asarray((0, *rungs), jnp.int32)[index]
   else:
     y = capped(operands, ids)
-    ran_fallback, dropped = zero, would_drop
+    ran_fallback, dropped, chunks = zero, would_drop, zero
 
   stats = ShardStats(
       fallback=ran_fallback,
@@ -102,5 +121,20 @@ def moe_shard(x: jax.Array, router_w: jax.Array, experts: ExpertWeights, *, conf
       dropped_rows=dropped,
       tokens_per_expert=routing_lib.tokens_per_expert(route.expert_ids, config.num_experts),
       lb_loss=routing_lib.load_balance_loss(route, config.num_experts),
-      z_loss=routing_lib.router_z_loss(route))
+      z_loss=routing_lib.router_z_loss(route),
+      fallback_chunks=chunks)
   return y.astype(x.dtype), stats
+
+
+def adaptive_rung(expert_ids: jax.Array, rungs: tuple[int, ...], rows: int, *,
+                  config: MoEConfig, mesh_axes: tuple[str, ...]) -> jax.Array:
+  """Branch to run (int32 scalar, the same on every device): 0 for the capped layer when
+  nothing overflows, else 1 + the first rung of `rungs` (chunk counts, each dividing the last)
+  whose every chunk fits `rows` on every receiver. `expert_ids [B, S, K]` is this shard's
+  routing; the finest chunks' counts are all-gathered over the expert axis to `[P, n, E]`."""
+  fine = jax.lax.all_gather(fallback.chunk_counts(expert_ids, rungs[-1], config.num_experts),
+                            config.expert_axis)
+  # A rung fits only if it fits on every expert group: pmax the overflow flags over every
+  # mesh axis, as the fixed fallback does its predicate.
+  overflows = jax.lax.pmax(fallback.rung_overflows(fine, (1, *rungs), rows), mesh_axes)
+  return fallback.first_fit(overflows)

@@ -81,7 +81,8 @@ def reduce_stats(local: ShardStats, mesh: Mesh, config: MoEConfig) -> MoEStats:
       dropped_rows=per_group(local.dropped_rows),
       tokens_per_expert=jax.lax.psum(local.tokens_per_expert, all_axes),
       lb_loss=jax.lax.pmean(local.lb_loss, all_axes) * config.load_balance_loss_weight,
-      z_loss=jax.lax.pmean(local.z_loss, all_axes) * config.router_z_loss_weight)
+      z_loss=jax.lax.pmean(local.z_loss, all_axes) * config.router_z_loss_weight,
+      fallback_chunks=jax.lax.pmax(local.fallback_chunks, all_axes))
 
 
 def moe_forward(params: MoEParams, x: jax.Array, *, config: MoEConfig, mesh: Mesh,

@@ -15,3 +15,4 @@ class MoEStats(NamedTuple):
   tokens_per_expert: jax.Array  # [E] int32, routed rows per expert over the whole batch.
   lb_loss: jax.Array            # [] float32, load-balance loss x load_balance_loss_weight.
   z_loss: jax.Array             # [] float32, router z-loss x router_z_loss_weight.
+  fallback_chunks: jax.Array    # [] int32, chunks the dropless fallback ran in (0 if it did not).

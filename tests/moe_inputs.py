@@ -4,8 +4,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, PartitionSpec as P
 
-from moe_hk import MoEConfig, MoEParams
+from moe_hk import MoEConfig, MoEParams, mesh as mesh_lib, param_specs, sharded
+from moe_hk.ragged_path import ExpertWeights
+from moe_hk.shard_layer import moe_shard
 from tests import reference
 
 
@@ -49,3 +52,21 @@ def dense_reference(k: int, score: str = "softmax", keep=None):
   def fn(params, x):
     return reference.reference_moe(tuple(params), x, k=k, score=score, keep=keep), None
   return fn
+
+
+def per_device_stats(config: MoEConfig, mesh: Mesh, params: MoEParams, x, fields: tuple[str, ...]):
+  """Runs one shard's layer on every device; returns `y` and, per name in `fields`, that
+  `ShardStats` field as seen by each device `[num_devices]` (before any reduction)."""
+  backends = sharded.resolve_backends(config, mesh)
+  axes = tuple(mesh.axis_names)
+
+  def per_device(x_, router_w, wi_0, wi_1, wo):
+    y, local = moe_shard(x_, router_w, ExpertWeights(wi_0, wi_1, wo), config=config,
+                         backends=backends, mesh_axes=axes)
+    return y, tuple(getattr(local, f)[None] for f in fields)
+
+  batch = mesh_lib.batch_spec(mesh)
+  fn = jax.shard_map(per_device, mesh=mesh, in_specs=(batch, *param_specs(config, mesh)),
+                     out_specs=(batch, tuple(P(axes) for _ in fields)), check_vma=False)
+  y, values = jax.jit(fn)(x, *params)
+  return y, dict(zip(fields, values))

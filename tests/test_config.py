@@ -27,6 +27,8 @@ BASE = dict(num_experts=8, num_experts_per_tok=2, emb_dim=16, mlp_dim=32)
     (dict(router_score="relu"), r"router_score='relu' .*'softmax', 'sigmoid'"),
     (dict(dtype="float16"), r"dtype='float16' .*'float32', 'bfloat16'"),
     (dict(dropless_fallback_num_chunks=-1), r"dropless_fallback_num_chunks=-1"),
+    (dict(dropless_fallback_chunking="dynamic"),
+     r"dropless_fallback_chunking='dynamic' is invalid: .*'fixed', 'adaptive'"),
     (dict(load_balance_loss_weight=-0.1), r"load_balance_loss_weight=-0.1"),
     (dict(router_z_loss_weight=-1e-3), r"router_z_loss_weight=-0.001 is invalid: must be >= 0"),
 ])
@@ -41,6 +43,8 @@ def test_good_values_accepted():
   moe_hk.MoEConfig(**BASE, moe_dropless_fallback="step", use_ring_of_experts=True)
   moe_hk.MoEConfig(**BASE, ragged_buffer_factor=-1)
   moe_hk.MoEConfig(**BASE, ragged_buffer_factor=0.25)
+  for chunking in ("fixed", "adaptive"):
+    moe_hk.MoEConfig(**BASE, moe_dropless_fallback="layer", dropless_fallback_chunking=chunking)
   with pytest.raises(dataclasses.FrozenInstanceError):
     moe_hk.MoEConfig(**BASE).num_experts = 4
 

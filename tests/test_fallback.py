@@ -5,13 +5,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import PartitionSpec as P
 
 import moe_hk
-from moe_hk import fallback, mesh as mesh_lib, sharded
-from moe_hk.ragged_path import ExpertWeights
-from moe_hk.shard_layer import moe_shard
-from tests.moe_inputs import dense_reference, outputs_and_grads, skewed_inputs
+from moe_hk import fallback
+from tests.moe_inputs import dense_reference, outputs_and_grads, per_device_stats, skewed_inputs
 from tests.tree_close import assert_trees_close, relative_error
 
 NUM_DEVICES = 8
@@ -87,18 +84,8 @@ def test_asymmetric_overflow_sets_flag_on_every_device(ring):
   mesh = moe_hk.make_mesh(data=2, expert=4)
   config = _config(8, 2, 2.0, use_ring_of_experts=ring, moe_dropless_fallback="layer")
   params, x = skewed_inputs(config, BATCH, 16, skew=6.0, seed=5, hot_rows=slice(0, 4))
-  backends = sharded.resolve_backends(config, mesh)
-  axes = tuple(mesh.axis_names)
-
-  def per_device(x_, router_w, wi_0, wi_1, wo):
-    y, local = moe_shard(x_, router_w, ExpertWeights(wi_0, wi_1, wo), config=config,
-                         backends=backends, mesh_axes=axes)
-    return y, local.fallback[None], local.would_drop_rows[None]
-
-  specs = moe_hk.param_specs(config, mesh)
-  fn = jax.shard_map(per_device, mesh=mesh, in_specs=(mesh_lib.batch_spec(mesh), *specs),
-                     out_specs=(mesh_lib.batch_spec(mesh), P(axes), P(axes)), check_vma=False)
-  y, flags, would_drop = jax.jit(fn)(x, *params)
+  y, seen = per_device_stats(config, mesh, params, x, ("fallback", "would_drop_rows"))
+  flags, would_drop = seen["fallback"], seen["would_drop_rows"]
   would_drop = np.asarray(would_drop).reshape(2, 4)
   assert would_drop[0].max() > 0 and would_drop[1].max() == 0, would_drop  # one group only
   np.testing.assert_array_equal(flags, 1)
@@ -142,9 +129,15 @@ def test_step_mode_needs_ring_and_replay_needs_step():
   _config(8, 2, 0.5, moe_dropless_fallback="layer", use_ring_of_experts=True)
 
 
-def test_chunks_split_and_merge_roundtrip():
+def test_chunks_are_contiguous_token_blocks():
   a = jnp.arange(2 * 12 * 3).reshape(2, 12, 3)
-  chunks = fallback.split_chunks(a, 4)
+  chunks = fallback.token_chunks(a, 4)
   assert chunks.shape == (4, 6, 3)
-  np.testing.assert_array_equal(chunks[1].reshape(2, 3, 3), a[:, 3:6])
-  np.testing.assert_array_equal(fallback.merge_chunks(chunks, 2), a)
+  np.testing.assert_array_equal(chunks[2], a[1, :6])  # tokens 12..17 in (b, s) order
+  seen = []
+  def chunk_fn(x_c, y_c):
+    seen.append(x_c.shape)
+    return x_c * 2 + y_c
+  out = fallback.chunked_dropless(chunk_fn, a, (a,), 4)
+  np.testing.assert_array_equal(out, 3 * a)
+  assert seen == [(6, 3)]  # traced once, inside the scan

@@ -14,7 +14,7 @@ def _event(step, layer, shard=0, attempt=0, fallback=0, factor=1.0, would_drop=0
            tokens=(4, 4, 4, 4)):
   stats = MoEStats(np.int32(fallback), np.float32(factor), np.int32(would_drop),
                    np.int32(dropped), np.asarray(tokens, np.int32), np.float32(0.01),
-                   np.float32(0.001))
+                   np.float32(0.001), np.int32(0))
   return LayerEvent(FALLBACK_EVENT if fallback else CAPPED_EVENT, step, layer, shard, attempt,
                     stats)
 
