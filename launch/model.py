@@ -1,8 +1,11 @@
 """A decoder-only MoE transformer in Haiku (Llama4-style): RMSNorm, rotary attention, SwiGLU.
 
 Shapes: B batch, S sequence, D model width, H query heads, G key/value heads, Dh head dim,
-V vocabulary. Every `moe_every`-th block (the last of each group) uses `moe_hk.MoELayer`, the
-others a dense SwiGLU MLP; MoE blocks may add a shared expert (a dense SwiGLU on every token).
+V vocabulary, n layer groups. Blocks come in groups of `moe_every`: `moe_every - 1` dense
+SwiGLU blocks, then one MoE block (`moe_hk.MoELayer`, plus an optional shared expert). The
+groups run in an `hk.layer_stack` (a scan: one compiled group however deep the model),
+rematerialised with `nothing_saveable` when `config.remat` is set. Parameters are float32;
+matmuls run in `config.dtype`.
 """
 from __future__ import annotations
 
@@ -16,11 +19,13 @@ import ml_collections
 from jax.sharding import Mesh
 
 import moe_hk
+from moe_hk import fallback
 
 
 class ModelOutput(NamedTuple):
-  logits: jax.Array     # [B, S, V] float32
-  moe_stats: tuple      # one moe_hk.MoEStats per MoE block, in order
+  hidden: jax.Array           # [B, S, D] final-normed activations, compute dtype.
+  embeddings: jax.Array       # [V, D] float32, the tied input/output embedding.
+  moe_stats: moe_hk.MoEStats  # per MoE block, stacked: each field has a leading [n] axis.
 
 
 def moe_config(config: ml_collections.ConfigDict) -> moe_hk.MoEConfig:
@@ -29,91 +34,162 @@ def moe_config(config: ml_collections.ConfigDict) -> moe_hk.MoEConfig:
   return moe_hk.MoEConfig(
       num_experts=m.num_experts, num_experts_per_tok=m.num_experts_per_tok,
       emb_dim=config.emb_dim, mlp_dim=m.mlp_dim, ragged_buffer_factor=m.ragged_buffer_factor,
-      moe_dropless_fallback=m.dropless_fallback, use_ring_of_experts=m.use_ring_of_experts,
+      moe_dropless_fallback=m.dropless_fallback,
+      dropless_fallback_chunking=m.dropless_fallback_chunking,
+      dropless_fallback_num_chunks=m.dropless_fallback_num_chunks,
+      use_ring_of_experts=m.use_ring_of_experts,
       router_score=m.router_score, dtype=config.dtype,
-      load_balance_loss_weight=m.load_balance_loss_weight)
+      load_balance_loss_weight=m.load_balance_loss_weight,
+      router_z_loss_weight=m.router_z_loss_weight)
+
+
+def dense(x: jax.Array, features: int, name: str) -> jax.Array:
+  """`x [..., Din] @ w [Din, features]` in x's dtype; w is a float32 parameter."""
+  w = hk.get_parameter(name, (x.shape[-1], features), jnp.float32,
+                       init=hk.initializers.TruncatedNormal(1 / math.sqrt(x.shape[-1])))
+  return jnp.dot(x, w.astype(x.dtype))
+
+
+def rms_norm(x: jax.Array, name: str, eps: float = 1e-6) -> jax.Array:
+  """RMSNorm over the last axis, computed in float32, returned in x's dtype."""
+  scale = hk.get_parameter(name, (x.shape[-1],), jnp.float32, init=jnp.ones)
+  x32 = x.astype(jnp.float32)
+  normed = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + eps)
+  return (normed * scale).astype(x.dtype)
 
 
 def rotary(x: jax.Array, base: float = 10_000.0) -> jax.Array:
-  """Rotary position embedding of `x [B, S, heads, Dh]` (positions 0..S-1)."""
+  """Rotary position embedding of `x [B, S, ..., Dh]` (positions 0..S-1)."""
   seq, dim = x.shape[1], x.shape[-1]
   freqs = base ** (-jnp.arange(0, dim, 2, dtype=jnp.float32) / dim)       # [Dh / 2]
   angles = jnp.arange(seq, dtype=jnp.float32)[:, None] * freqs[None]      # [S, Dh / 2]
-  sin, cos = jnp.sin(angles)[None, :, None], jnp.cos(angles)[None, :, None]
+  angles = angles.reshape(1, seq, *([1] * (x.ndim - 3)), dim // 2)
+  sin, cos = jnp.sin(angles), jnp.cos(angles)
   x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
   return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x.dtype)
 
 
-class Attention(hk.Module):
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, block: int) -> jax.Array:
+  """Grouped-query causal attention: `q [B, S, G, H/G, Dh]`, `k, v [B, S, G, Dh]` -> like q.
+
+  `block` > 0 computes queries in blocks of that many positions in a checkpointed scan, so
+  at most a `[B, G, H/G, block, S]` score block is live (forward and backward) instead of
+  `[B, H, S, S]`; `block` = 0 does one block of S.
+  """
+  seq, head_dim = q.shape[1], q.shape[-1]
+  block = block or seq
+  if seq % block:
+    raise ValueError(f"attention_block={block} must divide the sequence length {seq}.")
+
+  def one_block(q_blk, start):
+    scores = jnp.einsum("bsgrd,btgd->bgrst", q_blk, k, preferred_element_type=jnp.float32)
+    query_pos = start + jnp.arange(q_blk.shape[1])
+    causal = query_pos[:, None] >= jnp.arange(seq)[None, :]
+    probs = jax.nn.softmax(jnp.where(causal, scores / math.sqrt(head_dim), -1e30), axis=-1)
+    return jnp.einsum("bgrst,btgd->bsgrd", probs.astype(v.dtype), v)
+
+  if block == seq:
+    return one_block(q, 0)
+  blocks = q.reshape(q.shape[0], seq // block, block, *q.shape[2:]).swapaxes(0, 1)
+  starts = jnp.arange(seq // block) * block
+  body = jax.checkpoint(one_block, policy=jax.checkpoint_policies.nothing_saveable)
+  out = jax.lax.scan(lambda c, xs: (c, body(*xs)), None, (blocks, starts))[1]
+  return out.swapaxes(0, 1).reshape(q.shape)
+
+
+def attention(x: jax.Array, c: ml_collections.ConfigDict) -> jax.Array:
   """Causal grouped-query attention with rotary embeddings: `[B, S, D] -> [B, S, D]`."""
-
-  def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype, name=None):
-    super().__init__(name=name)
-    self.num_heads, self.num_kv_heads, self.head_dim, self.dtype = (
-        num_heads, num_kv_heads, head_dim, dtype)
-
-  def __call__(self, x: jax.Array) -> jax.Array:
-    b, s, d = x.shape
-    dense = lambda n, name: hk.Linear(n, with_bias=False, name=name)
-    q = dense(self.num_heads * self.head_dim, "q")(x).reshape(b, s, self.num_heads, -1)
-    k = dense(self.num_kv_heads * self.head_dim, "k")(x).reshape(b, s, self.num_kv_heads, -1)
-    v = dense(self.num_kv_heads * self.head_dim, "v")(x).reshape(b, s, self.num_kv_heads, -1)
-    q, k = rotary(q), rotary(k)
-    repeat = self.num_heads // self.num_kv_heads
-    k, v = jnp.repeat(k, repeat, axis=2), jnp.repeat(v, repeat, axis=2)
-    scores = jnp.einsum("bshd,bthd->bhst", q, k).astype(jnp.float32) / math.sqrt(self.head_dim)
-    causal = jnp.tril(jnp.ones((s, s), jnp.bool_))
-    probs = jax.nn.softmax(jnp.where(causal, scores, -1e30), axis=-1).astype(self.dtype)
-    out = jnp.einsum("bhst,bthd->bshd", probs, v).reshape(b, s, -1)
-    return dense(d, "o")(out)
+  b, s, _ = x.shape
+  groups, per_group = c.num_kv_heads, c.num_heads // c.num_kv_heads
+  q = dense(x, c.num_heads * c.head_dim, "q").reshape(b, s, groups, per_group, c.head_dim)
+  k = dense(x, groups * c.head_dim, "k").reshape(b, s, groups, c.head_dim)
+  v = dense(x, groups * c.head_dim, "v").reshape(b, s, groups, c.head_dim)
+  out = causal_attention(rotary(q), rotary(k), v, c.attention_block)
+  return dense(out.reshape(b, s, -1), x.shape[-1], "o")
 
 
-class SwiGLU(hk.Module):
+def swiglu(x: jax.Array, hidden: int) -> jax.Array:
   """Dense SwiGLU MLP: `[B, S, D] -> [B, S, D]`."""
-
-  def __init__(self, hidden: int, name=None):
-    super().__init__(name=name)
-    self.hidden = hidden
-
-  def __call__(self, x: jax.Array) -> jax.Array:
-    dense = lambda n, name: hk.Linear(n, with_bias=False, name=name)
-    return dense(x.shape[-1], "wo")(
-        jax.nn.silu(dense(self.hidden, "wi_0")(x)) * dense(self.hidden, "wi_1")(x))
+  return dense(jax.nn.silu(dense(x, hidden, "wi_0")) * dense(x, hidden, "wi_1"), x.shape[-1], "wo")
 
 
 class Transformer(hk.Module):
-  """Tokens `[B, S]` int -> `ModelOutput`. MoE blocks label their metric events with `step`
-  and their ordinal among MoE blocks."""
+  """Tokens `[B, S]` int -> `ModelOutput`.
 
-  def __init__(self, config: ml_collections.ConfigDict, mesh: Mesh, name=None):
+  MoE blocks label their metric events with `step` and their ordinal among MoE blocks.
+  `replay` builds the step-mode replay graph (every MoE layer chunked and dropless, same
+  parameters). `chunk_loop` replaces the MoE fallback's chunk loop (only `launch.aot` does, to measure the
+  unrolled loop the scan is compared with).
+  """
+
+  def __init__(self, config: ml_collections.ConfigDict, mesh: Mesh, replay: bool = False,
+               chunk_loop: fallback.ChunkLoop = fallback.scan_chunks, name=None):
     super().__init__(name=name)
     self.config = config
     self.mesh = mesh
+    self.moe_config = moe_config(config).for_step_replay() if replay else moe_config(config)
+    self.chunk_loop = chunk_loop
+
+  def _group(self, x: jax.Array, moe_index: jax.Array, step: jax.Array | None
+             ) -> tuple[jax.Array, moe_hk.MoEStats]:
+    """`moe_every - 1` dense blocks and one MoE block: `[B, S, D]` -> same, and its stats."""
+    c = self.config
+    stats = None
+    for i in range(c.moe_every):
+      with hk.name_scope(f"block_{i}"):
+        x = x + attention(rms_norm(x, "attention_norm"), c)
+        h = rms_norm(x, "mlp_norm")
+        if i == c.moe_every - 1:
+          layer = moe_hk.MoELayer(self.moe_config, self.mesh, chunk_loop=self.chunk_loop,
+                                  name="moe")
+          y, stats = layer(h, step=step, layer_index=moe_index, return_stats=True)
+          if c.moe.shared_expert:
+            with hk.name_scope("shared_expert"):
+              y = y + swiglu(h, c.moe.mlp_dim)
+        else:
+          with hk.name_scope("mlp"):
+            y = swiglu(h, c.mlp_dim)
+        x = x + y.astype(x.dtype)
+    return x, stats
 
   def __call__(self, tokens: jax.Array, step: jax.Array | None = None) -> ModelOutput:
     c = self.config
-    dtype = jnp.dtype(c.dtype)
     embed = hk.Embed(c.vocab_size, c.emb_dim, name="embed")
-    x = embed(tokens).astype(dtype)
-    norm = lambda name: hk.RMSNorm(axis=-1, name=name)
-    moe_layer_config = moe_config(c)
-    stats = []
-    for i in range(c.num_layers):
-      with hk.name_scope(f"block_{i}"):
-        x = x + Attention(c.num_heads, c.num_kv_heads, c.head_dim, dtype,
-                          name="attention")(norm("attention_norm")(x))
-        h = norm("mlp_norm")(x)
-        if (i + 1) % c.moe_every == 0:
-          y, layer_stats = moe_hk.MoELayer(moe_layer_config, self.mesh, name="moe")(
-              h, step=step, layer_index=len(stats), return_stats=True)
-          if c.moe.shared_expert:
-            y = y + SwiGLU(c.moe.mlp_dim, name="shared_expert")(h)
-          stats.append(layer_stats)
-        else:
-          y = SwiGLU(c.mlp_dim, name="mlp")(h)
-        x = x + y.astype(dtype)
-    x = norm("final_norm")(x)
-    # Tied output embedding, scaled so that initial logits have unit variance.
-    logits = jnp.einsum("bsd,vd->bsv", x.astype(jnp.float32),
-                        embed.embeddings.astype(jnp.float32)) / math.sqrt(c.emb_dim)
-    return ModelOutput(logits, tuple(stats))
+    x = embed(tokens).astype(jnp.dtype(c.dtype))
+    group = lambda x_, index: self._group(x_, index, step)
+    if c.remat:
+      group = hk.remat(group, policy=jax.checkpoint_policies.nothing_saveable)
+    num_groups = c.num_layers // c.moe_every
+    x, stats = hk.layer_stack(num_groups, with_per_layer_inputs=True, name="groups")(group)(
+        x, jnp.arange(num_groups, dtype=jnp.int32))
+    return ModelOutput(rms_norm(x, "final_norm"), embed.embeddings, stats)
+
+
+def cross_entropy(hidden: jax.Array, embeddings: jax.Array, targets: jax.Array,
+                  chunk: int = 0) -> jax.Array:
+  """Mean next-token cross-entropy of `hidden [B, S, D]` against `targets [B, S]`.
+
+  Logits are `hidden @ embeddings.T / sqrt(D)` in float32 (tied embedding, scaled so initial
+  logits have unit variance). `chunk` > 0 computes them `chunk` positions at a time in a
+  checkpointed scan, so a `[B, S, V]` logits array never exists (a large vocabulary at a long
+  sequence would not fit); 0 does it in one piece.
+  """
+  seq, width = hidden.shape[1], hidden.shape[2]
+  chunk = chunk or seq
+  if seq % chunk:
+    raise ValueError(f"loss_chunk={chunk} must divide the sequence length {seq}.")
+
+  def summed(h, t):
+    logits = jnp.einsum("bsd,vd->bsv", h, embeddings.astype(h.dtype),
+                        preferred_element_type=jnp.float32) / math.sqrt(width)
+    log_z = jax.nn.logsumexp(logits, axis=-1)
+    picked = jnp.take_along_axis(logits, t[..., None], axis=-1)[..., 0]
+    return jnp.sum(log_z - picked)
+
+  if chunk == seq:
+    return summed(hidden, targets) / targets.size
+  split = lambda a: a.reshape(a.shape[0], seq // chunk, chunk, *a.shape[2:]).swapaxes(0, 1)
+  body = jax.checkpoint(summed, policy=jax.checkpoint_policies.nothing_saveable)
+  total = jax.lax.scan(lambda acc, xs: (acc + body(*xs), None), jnp.zeros((), jnp.float32),
+                       (split(hidden), split(targets)))[0]
+  return total / targets.size

@@ -8,7 +8,7 @@ import jax
 from metrics import emit
 from metrics.aggregator import Aggregator, StepMetrics
 from metrics.alerts import Alert, AlertConfig, AlertManager
-from metrics.writer import MoEMetricsWriter
+from metrics.writer import STEP_REPLAYS_TAG, MoEMetricsWriter
 
 
 def worst_case_factor(num_experts: int, k: int, expert_shards: int) -> float:
@@ -53,6 +53,9 @@ class MoEMetrics:
     if m is not None:
       self.writer.write_step(m, replays=replays, extra=extra_scalars)
       self.alerts.check(m)
+    elif extra_scalars or replays is not None:  # no layer reported: still log the step
+      self.writer.write_scalars(step, {**(extra_scalars or {}), **(
+          {} if replays is None else {STEP_REPLAYS_TAG: replays})})
     return m
 
   def close(self) -> None:

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 
+from moe_hk import fallback
 from moe_hk.config import MoEConfig
 from moe_hk.sharded import MoEParams, moe_forward, param_specs
 from moe_hk.stats import MoEStats
@@ -48,12 +49,15 @@ class MoELayer(hk.Module):
   expert weights sharded over `config.expert_axis`. By default the step's `MoEStats` go to
   Haiku state under `stats` (use `hk.transform_with_state`); `return_stats=True` returns
   `(y, stats)` instead and touches no state, for `hk.layer_stack`, which refuses state.
+  `chunk_loop` runs the dropless fallback's chunks (benchmarks swap in an unrolled loop).
   """
 
-  def __init__(self, config: MoEConfig, mesh: Mesh, name: str | None = None):
+  def __init__(self, config: MoEConfig, mesh: Mesh,
+               chunk_loop: fallback.ChunkLoop = fallback.scan_chunks, name: str | None = None):
     super().__init__(name=name)
     self.config = config
     self.mesh = mesh
+    self.chunk_loop = chunk_loop
 
   def __call__(self, x: jax.Array, *, step: jax.Array | None = None,
                layer_index: jax.Array | None = None, return_stats: bool = False,
@@ -64,7 +68,7 @@ class MoELayer(hk.Module):
     params = _get_params(self.config, self.mesh)
     y, stats = moe_forward(params, x, config=self.config, mesh=self.mesh,
                            step=None if hk.running_init() else step, layer_index=layer_index,
-                           force_dropless=force_dropless)
+                           force_dropless=force_dropless, chunk_loop=self.chunk_loop)
     if return_stats:
       return y, stats
     hk.set_state("stats", stats)

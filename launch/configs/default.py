@@ -16,15 +16,24 @@ def get_config() -> ml_collections.ConfigDict:
   c.head_dim = 32
   c.mlp_dim = 256             # dense blocks' SwiGLU width
   c.dtype = "float32"         # compute dtype ('bfloat16' allowed); params stay float32
+  # Rematerialise each layer group in the backward (nothing saved), as large MoE models train.
+  # (Without it, JAX drops the metric callbacks of capped-only MoE layers in the layer scan
+  # under grad, jax-ml/jax#28738; 'layer' fallback layers keep theirs either way.)
+  c.remat = True
+  c.attention_block = 0       # query block of the attention scan; 0 = whole sequence
+  c.loss_chunk = 0            # positions per logits chunk of the loss scan; 0 = whole sequence
   c.moe = ml_collections.ConfigDict(dict(
       num_experts=8,
       num_experts_per_tok=2,
       mlp_dim=256,
       ragged_buffer_factor=2.0,
-      dropless_fallback="layer",
+      dropless_fallback="layer",        # 'none' | 'layer' | 'step' (ring of experts only)
+      dropless_fallback_chunking="fixed",  # or 'adaptive': fewest chunks that fit at run time
+      dropless_fallback_num_chunks=0,   # 0 = the fewest whose worst case fits the buffer
       use_ring_of_experts=False,
       router_score="softmax",
       load_balance_loss_weight=0.01,
+      router_z_loss_weight=1e-3,
       shared_expert=False,
   ))
   # Data: batches are a pure function of (seed, step), so resumption is exact.

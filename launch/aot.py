@@ -1,0 +1,164 @@
+"""Compiles the full train step for a topology and prints device memory per MoE variant.
+
+  python -m launch.aot --config=launch/configs/maverick.py --compile_topology=v5p-256 \
+      [--variants=worst_case,capped,fallback_scan,fallback_unrolled] [--config.KEY=VALUE ...]
+
+The topology is a TPU slice (`v5p-256`, i.e. 128 chips, or `v5p:4x4x8`), compiled through
+libtpu with no TPU attached, or `cpu:N` (N simulated CPU devices). Every variant compiles the
+same step as `launch.train` (value-and-grad, AdamW, donated state), differing only in the MoE
+layers: the worst-case buffer, the capped buffer (rows may drop), capped + `layer` fallback
+(scan of checkpointed chunks; also `fallback_adaptive`), and capped + a Python-unrolled chunk
+loop (the naive form, `benchmarks.fallback_memory.unrolled_chunks`). Prints JSON, then a table
+of per-device memory (arguments + outputs + temporaries - aliased) from
+`compiled.memory_analysis()`. A variant whose temporaries exceed the chip's HBM does not compile
+for TPU; its row then shows the compiler's stated temporaries plus the argument shards.
+"""
+import os
+import re
+import sys
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # compiling only: no chip to lock
+_CPU = re.search(r"--compile_topology=cpu:(\d+)", " ".join(sys.argv))
+if _CPU:  # must precede the jax import
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                             f" --xla_force_host_platform_device_count={_CPU.group(1)}").strip()
+
+import json  # noqa: E402
+import math  # noqa: E402
+import time  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import ml_collections  # noqa: E402
+from absl import app, flags  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
+
+import moe_hk  # noqa: E402
+from benchmarks.fallback_memory import unrolled_chunks  # noqa: E402
+from launch import trainer  # noqa: E402
+from launch.steps import make_steps  # noqa: E402
+from moe_hk import aot, fallback  # noqa: E402
+
+VARIANTS = ("worst_case", "capped", "fallback_scan", "fallback_adaptive", "fallback_unrolled")
+# Chips of a v5p slice (v5p-N counts TensorCores, 2 per chip) -> the slice's 3D torus shape.
+V5P_SHAPES = {4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4", 128: "4x4x8",
+              256: "4x8x8", 512: "8x8x8"}
+GIB = 1024 ** 3
+# HBM per chip as the TPU compiler states it when a program does not fit ("available HBM").
+HBM_GIB = {"v5p": 95.74}
+
+_CONFIG = config_flags.DEFINE_config_file("config", "launch/configs/maverick.py",
+                                          "Model configuration file.")
+_TOPOLOGY = flags.DEFINE_string("compile_topology", "v5p-256", "'v5p-N', 'v5p:AxBxC' or 'cpu:N'.")
+_VARIANTS = flags.DEFINE_list("variants", ",".join(VARIANTS), f"Any of {', '.join(VARIANTS)}.")
+
+
+def topology_devices(topology: str) -> list:
+  """Devices of `topology` ('v5p-256', 'v5p:4x4x8', 'cpu:8'); ValueError names the valid forms."""
+  if topology.startswith("cpu:"):
+    want = int(topology[4:])
+    if jax.device_count() < want:
+      raise ValueError(f"--compile_topology={topology}: only {jax.device_count()} CPU devices; "
+                       "pass the flag on the command line so the count is set before jax loads.")
+    return jax.devices()[:want]
+  match = re.fullmatch(r"v5p-(\d+)", topology)
+  if match:
+    chips = int(match.group(1)) // 2
+    if chips not in V5P_SHAPES:
+      raise ValueError(f"--compile_topology={topology}: v5p-N needs N in "
+                       f"{sorted(2 * c for c in V5P_SHAPES)}; or give 'v5p:AxBxC'.")
+    topology = f"v5p:{V5P_SHAPES[chips]}"
+  if not re.fullmatch(r"v\w+:\d+x\d+(x\d+)?", topology):
+    raise ValueError(f"--compile_topology={topology} must be 'v5p-N', 'v5p:AxBxC' or 'cpu:N'.")
+  return list(aot.tpu_topology_devices(topology))
+
+
+def variant_config(config: ml_collections.ConfigDict, variant: str) -> ml_collections.ConfigDict:
+  """`config` with its MoE layers set up as `variant` (the buffer factor is the config's)."""
+  c = ml_collections.ConfigDict(config.to_dict())
+  if variant == "worst_case":
+    c.moe.ragged_buffer_factor = -1.0
+  if variant in ("worst_case", "capped"):
+    c.moe.dropless_fallback = "none"
+  else:
+    c.moe.dropless_fallback = "layer"
+    c.moe.dropless_fallback_chunking = "adaptive" if variant == "fallback_adaptive" else "fixed"
+  return c
+
+
+def compile_variant(config: ml_collections.ConfigDict, devices: list, variant: str) -> dict:
+  """Compiles the train step of `variant` for `devices`; returns its memory figures (bytes)."""
+  c = variant_config(config, variant)
+  mesh = moe_hk.make_mesh(**c.mesh, devices=devices)
+  loop = unrolled_chunks if variant == "fallback_unrolled" else fallback.scan_chunks
+  steps = make_steps(c, mesh, chunk_loop=loop)
+  state = jax.eval_shape(steps.init, jax.random.key(0))
+  state = aot.abstract_like(state, steps.state_sharding)
+  batch = jax.ShapeDtypeStruct((c.data.batch_size, c.data.seq_len + 1), "int32",
+                               sharding=steps.batch_sharding)
+  start = time.perf_counter()
+  lowered = steps.train.lower(state, batch)
+  try:
+    compiled = lowered.compile()
+  except jax.errors.JaxRuntimeError as e:
+    # The TPU compiler refuses a program whose temporaries exceed HBM and says how much.
+    need = re.search(r"HLO temporaries \(([\d.]+)G\) exceeds available HBM \(([\d.]+)G\)",
+                     str(e))
+    if not need:
+      raise
+    args = sum(per_device_bytes(a) for a in jax.tree.leaves((state, batch)))
+    temp = int(float(need.group(1)) * GIB)
+    return {"variant": variant, "compiled": False, "total_bytes": args + temp,
+            "argument_bytes": args, "temp_bytes": temp,
+            "hbm_bytes": int(float(need.group(2)) * GIB),
+            "compile_seconds": round(time.perf_counter() - start, 1)}
+  m = compiled.memory_analysis()
+  return {"variant": variant, "compiled": True, "total_bytes": aot.total_memory_bytes(compiled),
+          "argument_bytes": int(m.argument_size_in_bytes),
+          "output_bytes": int(m.output_size_in_bytes), "temp_bytes": int(m.temp_size_in_bytes),
+          "alias_bytes": int(m.alias_size_in_bytes),
+          "compile_seconds": round(time.perf_counter() - start, 1)}
+
+
+def per_device_bytes(a: jax.ShapeDtypeStruct) -> int:
+  """Bytes of one device's shard of `a`."""
+  return math.prod(a.sharding.shard_shape(a.shape)) * jnp.dtype(a.dtype).itemsize
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  unknown = sorted(set(_VARIANTS.value) - set(VARIANTS))
+  if unknown:
+    raise app.UsageError(f"--variants: unknown {unknown}; valid: {', '.join(VARIANTS)}.")
+  config = _CONFIG.value
+  try:
+    devices = topology_devices(_TOPOLOGY.value)
+    trainer.validate(config, devices=len(devices))
+  except ValueError as e:
+    raise app.UsageError(str(e)) from None
+  rows = [compile_variant(config, devices, v) for v in _VARIANTS.value]
+  print(json.dumps({"topology": _TOPOLOGY.value, "devices": len(devices),
+                    "platform": devices[0].platform, "mesh": dict(config.mesh),
+                    "results": rows}, indent=2))
+  capped = next((r["total_bytes"] for r in rows if r["variant"] == "capped"), None)
+  hbm = HBM_GIB.get(_TOPOLOGY.value.split("-")[0].split(":")[0])
+  print(f"\nper-device memory, {_TOPOLOGY.value} ({len(devices)} devices), mesh "
+        f"{dict(config.mesh)}" + (f", {hbm} GiB HBM per chip" if hbm else ""))
+  print("| variant | total GiB | args GiB | temp GiB | vs capped | compiler accepts temp | "
+        "total fits HBM | compile s |")
+  print("|---|---|---|---|---|---|---|---|")
+  for r in rows:
+    total = r["total_bytes"] / GIB
+    ratio = f"{r['total_bytes'] / capped:.2f}x" if capped else "-"
+    accepted = "yes" if r["compiled"] else f"no (> {r['hbm_bytes'] / GIB:.2f} GiB)"
+    fits = "-" if hbm is None else ("yes" if total <= hbm else "no")
+    print(f"| {r['variant']} | {total:.2f} | {r['argument_bytes'] / GIB:.2f} | "
+          f"{r['temp_bytes'] / GIB:.2f} | {ratio} | {accepted} | {fits} | "
+          f"{r['compile_seconds']} |")
+
+
+if __name__ == "__main__":
+  app.run(main)

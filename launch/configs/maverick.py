@@ -1,0 +1,29 @@
+"""Llama4-Maverick-shaped MoE transformer, for AOT compilation (`python -m launch.aot`) only.
+
+48 layers alternating dense and MoE (128 experts, sigmoid top-1 plus a shared expert), width
+5120, MoE MLP 8192, dense MLP 16384, 40 query heads / 8 KV heads of 128, vocabulary 202,048,
+bfloat16 compute on float32 params + Adam, every layer group rematerialised. Mesh FSDP 8 x EP
+16 (v5p-256: 128 chips), 4 sequences of 8,192 per chip, buffer factor 2.0.
+"""
+import ml_collections
+
+from launch.configs import default
+
+
+def get_config() -> ml_collections.ConfigDict:
+  c = default.get_config()
+  c.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=8, expert=16))
+  c.vocab_size = 202_048
+  c.emb_dim = 5120
+  c.num_layers = 48
+  c.moe_every = 2
+  c.num_heads, c.num_kv_heads, c.head_dim = 40, 8, 128
+  c.mlp_dim = 16_384
+  c.dtype = "bfloat16"
+  c.remat = True
+  c.attention_block = 512   # a [4, 40, 512, 8192] float32 score block at a time
+  c.loss_chunk = 512        # a [4, 512, 202048] float32 logits block at a time
+  c.moe.update(num_experts=128, num_experts_per_tok=1, mlp_dim=8192, ragged_buffer_factor=2.0,
+               router_score="sigmoid", shared_expert=True)
+  c.data.update(source="synthetic", batch_size=4 * 128, seq_len=8192)
+  return c

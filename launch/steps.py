@@ -1,0 +1,102 @@
+"""The train state, optimizer, loss and the jitted init / train / eval steps for one mesh.
+
+Shared by the training loop (`launch.trainer`) and the AOT compiler (`launch.aot`), so both
+compile exactly the same step: params and Adam state sharded FSDP-style (`launch.sharding`),
+the batch `[B, S + 1]` sharded over every mesh axis, the state donated.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, NamedTuple
+
+import haiku as hk
+import jax
+import jax.numpy as jnp
+import ml_collections
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from launch import sharding
+from launch.model import Transformer, cross_entropy, moe_config
+from moe_hk import fallback
+
+
+class TrainState(NamedTuple):
+  step: jax.Array         # [] int32
+  params: hk.Params       # float32
+  opt_state: optax.OptState
+
+
+class Steps(NamedTuple):
+  """Jitted functions of one (config, mesh) and the shardings they use."""
+  init: Callable[[jax.Array], TrainState]                      # rng -> state
+  train: Callable[[TrainState, jax.Array], tuple[TrainState, dict]]
+  replay: Callable[[TrainState, jax.Array], tuple[TrainState, dict]] | None  # step mode only
+  eval_loss: Callable[[hk.Params, jax.Array], jax.Array]
+  state_sharding: Any
+  batch_sharding: NamedSharding
+  schedule: optax.Schedule
+
+
+def make_optimizer(config) -> tuple[optax.GradientTransformation, optax.Schedule]:
+  """AdamW with linear warmup then cosine decay, after global-norm clipping."""
+  schedule = optax.warmup_cosine_decay_schedule(
+      0.0, config.learning_rate, config.warmup_steps, max(config.train_steps, config.warmup_steps + 1))
+  return optax.chain(optax.clip_by_global_norm(config.grad_clip_norm),
+                     optax.adamw(schedule, weight_decay=config.weight_decay)), schedule
+
+
+def loss_fn(model: hk.Transformed, config, params, batch, step):
+  """Next-token cross-entropy + the MoE layers' weighted load-balance and router z-losses.
+
+  batch `[B, S + 1]` int32. Returns `(total, (cross_entropy, MoEStats stacked over layers))`.
+  """
+  out = model.apply(params, None, batch[:, :-1], step)
+  ce = cross_entropy(out.hidden, out.embeddings, batch[:, 1:], config.loss_chunk)
+  aux = jnp.sum(out.moe_stats.lb_loss) + jnp.sum(out.moe_stats.z_loss)
+  return ce + aux, (ce, out.moe_stats)
+
+
+def _transformed(config, mesh: Mesh, replay: bool, chunk_loop) -> hk.Transformed:
+  return hk.transform(lambda tokens, step: Transformer(
+      config, mesh, replay=replay, chunk_loop=chunk_loop, name="model")(tokens, step))
+
+
+def make_steps(config: ml_collections.ConfigDict, mesh: Mesh,
+               chunk_loop: fallback.ChunkLoop = fallback.scan_chunks) -> Steps:
+  """Builds the jitted steps. In `moe.dropless_fallback='step'` mode `replay` is the same step
+  with every MoE layer on the chunked dropless path, and neither step donates the state (a
+  discarded attempt must leave it intact); otherwise the state is donated."""
+  layer_config = moe_config(config)
+  step_mode = layer_config.moe_dropless_fallback == "step"
+  tx, schedule = make_optimizer(config)
+  batch_sharding = NamedSharding(mesh, P(tuple(mesh.axis_names)))
+  model = _transformed(config, mesh, False, chunk_loop)
+
+  def init(rng):
+    tokens = jnp.zeros((config.data.batch_size, config.data.seq_len), jnp.int32)
+    params = model.init(rng, tokens, None)
+    return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params))
+
+  shapes = jax.eval_shape(init, jax.random.key(0))
+  state_sharding = sharding.state_shardings(shapes, mesh, layer_config, tx)
+
+  def train_step(transformed, state, batch):
+    grad_fn = jax.value_and_grad(functools.partial(loss_fn, transformed, config), has_aux=True)
+    (_, (ce, stats)), grads = grad_fn(state.params, batch, state.step)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    new_state = TrainState(state.step + 1, optax.apply_updates(state.params, updates), opt_state)
+    return new_state, {"loss": ce, "grad_norm": optax.tree.norm(grads),
+                       "learning_rate": schedule(state.step), "moe_stats": stats}
+
+  def jit_step(transformed):
+    return jax.jit(functools.partial(train_step, transformed),
+                   in_shardings=(state_sharding, batch_sharding),
+                   out_shardings=(state_sharding, None),
+                   donate_argnums=() if step_mode else (0,))
+
+  replay = jit_step(_transformed(config, mesh, True, chunk_loop)) if step_mode else None
+  eval_loss = jax.jit(lambda params, batch: loss_fn(model, config, params, batch, None)[1][0],
+                      in_shardings=(state_sharding.params, batch_sharding))
+  return Steps(jax.jit(init, out_shardings=state_sharding), jit_step(model), replay, eval_loss,
+               state_sharding, batch_sharding, schedule)

@@ -1,0 +1,48 @@
+"""`launch.aot`: the launcher's train step compiled for TPU topologies and CPU meshes."""
+import pytest
+
+from launch import aot
+from launch.configs import tiny
+
+
+@pytest.mark.parametrize("topology,devices", [("v5p-16", 8), ("v5p:2x2x2", 8), ("cpu:8", 8)])
+def test_topology_devices(topology, devices):
+  found = aot.topology_devices(topology)
+  assert len(found) == devices
+  assert found[0].platform == ("cpu" if topology.startswith("cpu") else "tpu")
+
+
+@pytest.mark.parametrize("topology,message", [
+    ("v5p-6", r"v5p-N needs N in \[8, 16, 32"),
+    ("tpu-big", "must be 'v5p-N', 'v5p:AxBxC' or 'cpu:N'"),
+    ("cpu:64", "only 8 CPU devices"),
+])
+def test_bad_topology_names_the_valid_forms(topology, message):
+  with pytest.raises(ValueError, match=message):
+    aot.topology_devices(topology)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("topology", ["v5p-16", "cpu:8"])
+def test_train_step_memory_per_variant(topology):
+  """The tiny model's full train step compiles in every variant; the checkpointed chunk scan
+  needs less than the unrolled chunk loop."""
+  devices = aot.topology_devices(topology)
+  config = tiny.get_config()
+  rows = {v: aot.compile_variant(config, devices, v) for v in ("fallback_scan",
+                                                                "fallback_unrolled")}
+  for row in rows.values():
+    assert row["compiled"] and row["argument_bytes"] > 0 and row["temp_bytes"] > 0
+  assert rows["fallback_scan"]["total_bytes"] < rows["fallback_unrolled"]["total_bytes"]
+
+
+def test_variant_configs_differ_only_in_the_moe_layers():
+  base = tiny.get_config()
+  worst = aot.variant_config(base, "worst_case")
+  assert worst.moe.ragged_buffer_factor == -1 and worst.moe.dropless_fallback == "none"
+  adaptive = aot.variant_config(base, "fallback_adaptive")
+  assert adaptive.moe.dropless_fallback == "layer"
+  assert adaptive.moe.dropless_fallback_chunking == "adaptive"
+  assert adaptive.moe.ragged_buffer_factor == base.moe.ragged_buffer_factor
+  assert base.moe.dropless_fallback == "layer"  # the config passed in is left alone
+  assert adaptive.emb_dim == base.emb_dim and adaptive.mesh == base.mesh
