@@ -49,8 +49,9 @@ def unrolled_chunks(body, num_chunks: int):
   return jnp.stack([body(i) for i in range(num_chunks)])
 
 
-def variant_config(variant: str) -> moe_hk.MoEConfig:
-  base = moe_hk.MoEConfig(**SETTING, ragged_buffer_factor=FACTOR)
+def variant_config(variant: str, **overrides) -> moe_hk.MoEConfig:
+  """The setting as `variant`; `overrides` replace fields of SETTING (e.g. a narrower width)."""
+  base = moe_hk.MoEConfig(**{**SETTING, **overrides}, ragged_buffer_factor=FACTOR)
   return {
       "worst_case": base.replace(ragged_buffer_factor=-1),
       "capped": base,

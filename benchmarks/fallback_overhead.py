@@ -2,8 +2,9 @@
 
   python -m benchmarks.fallback_overhead [--rounds=15]
 
-Times a value-and-grad step of the single-layer setting of `fallback_memory` (factor 2,
-balanced routing, so nothing overflows) with `moe_dropless_fallback='none'` and `'layer'`,
+Times a value-and-grad step of the single-layer setting of `fallback_memory` at width 64 /
+MLP 128 (`TIMING_WIDTH`: at its memory width of 1024 a CPU step takes tens of seconds), factor 2,
+balanced routing so nothing overflows, with `moe_dropless_fallback='none'` and `'layer'`,
 bare and with the layer under jax.checkpoint(nothing_saveable) as in training. Rounds are
 interleaved; ratios are taken within a round. JSON, then a table.
 """
@@ -20,6 +21,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import moe_hk  # noqa: E402
+
+TIMING_WIDTH = dict(emb_dim=64, mlp_dim=128)
 
 
 def balanced_inputs(config, batch, seq, seed=0):
@@ -48,8 +51,8 @@ def main():
   parser.add_argument("--rounds", type=int, default=15)
   args = parser.parse_args()
   mesh = fallback_memory.make_mesh("cpu")
-  capped = fallback_memory.variant_config("capped")
-  with_fallback = fallback_memory.variant_config("fallback_scan")
+  capped = fallback_memory.variant_config("capped", **TIMING_WIDTH)
+  with_fallback = fallback_memory.variant_config("fallback_scan", **TIMING_WIDTH)
   params, x = balanced_inputs(capped, fallback_memory.BATCH, fallback_memory.SEQ)
   fns = {}
   for remat in (False, True):
@@ -60,7 +63,7 @@ def main():
       assert int(stats.would_drop_rows) == 0 and int(stats.fallback) == 0, stats
       fns[f"{name}_{tag}"] = functools.partial(fn, params, x)
   samples = timing.interleaved(fns, args.rounds)
-  result = {"rounds": args.rounds, "setting": fallback_memory.SETTING,
+  result = {"rounds": args.rounds, "setting": {**fallback_memory.SETTING, **TIMING_WIDTH},
             "tokens": [fallback_memory.BATCH, fallback_memory.SEQ]}
   for tag in ("bare", "remat"):
     pair = {k: samples[k] for k in (f"capped_{tag}", f"fallback_{tag}")}

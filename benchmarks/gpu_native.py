@@ -1,4 +1,4 @@
-"""The accelerator backends on one real GPU: native ragged all-to-all + `ragged_dot` layer.
+"""The accelerator backends on one real GPU: native ragged all-to-all, `ragged_dot`, blocked.
 
   JAX_PLATFORMS=cuda python -m benchmarks.gpu_native [--rounds=20]
 
@@ -6,14 +6,16 @@ A single device cannot exchange rows with peers, but the layer's native path sti
 end (a one-shard `ragged_all_to_all`, `ragged_dot` grouped matmuls), so this checks on a real
 GPU what CPU tests can only compile: (1) the capped layer with a skewed router, the `layer`
 fallback and the worst-case buffer against the dense einsum reference (outputs and gradients),
-(2) `ragged_dot` and the `blocked` backend against a dense batched matmul with the same useful FLOPs, forward and
-forward + backward, in float32 and bfloat16, (3) step time and compiled memory of a layer
-with the full buffer vs one that falls back to chunks. Prints JSON, then tables.
+(2) `ragged_dot` and the `blocked` backend against a dense batched matmul with the same useful
+FLOPs, forward and forward + backward, in float32 and bfloat16, (3) step time and compiled
+memory of a layer with the full buffer vs one that falls back to chunks. The layer sections run
+both grouped-matmul backends. Prints JSON, then tables.
 """
 from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
 import os
 
@@ -75,15 +77,16 @@ def check_layer() -> dict:
 
   y_ref, g_ref = value_and_grads(functools.partial(dense_moe, k=k))
   out = {}
-  for name, factor, mode in (("capped", 0.5, "none"), ("fallback", 0.5, "layer"),
-                             ("worst_case", -1, "none")):
+  for (name, factor, mode), gmm in itertools.product(
+      (("capped", 0.5, "none"), ("fallback", 0.5, "layer"), ("worst_case", -1, "none")),
+      ("ragged_dot", "blocked")):
     config = moe_hk.MoEConfig(num_experts=8, num_experts_per_tok=k, emb_dim=128, mlp_dim=256,
                               ragged_buffer_factor=factor, moe_dropless_fallback=mode,
-                              a2a_impl="auto", gmm_impl="auto")
+                              a2a_impl="auto", gmm_impl=gmm)
     layer = functools.partial(moe_hk.moe_forward, config=config, mesh=mesh)
     y, grads = value_and_grads(lambda p, xx: layer(p, xx)[0])
     stats = jax.jit(layer)(params, x)[1]
-    out[name] = {"y_rel_err": rel(y, y_ref),
+    out[f"{name}_{gmm}"] = {"y_rel_err": rel(y, y_ref),
                  "grad_rel_err_max": max(rel(a, b) for a, b in zip(jax.tree.leaves(grads),
                                                                     jax.tree.leaves(g_ref))),
                  "dropped_rows": int(stats.dropped_rows), "fallback": int(stats.fallback),
@@ -136,11 +139,13 @@ def time_fallback_step(rounds: int) -> dict:
   params, x = skewed_layer(16, k, width, hidden, batch, seq, skew=0.0, seed=2)
   x = x.astype(jnp.bfloat16)
   fns, memory = {}, {}
-  for name, factor in (("full_buffer", 1.0), ("fallback_2_chunks", 0.5)):
+  for (name, factor), gmm in itertools.product(
+      (("full_buffer", 1.0), ("fallback_2_chunks", 0.5)), ("ragged_dot", "blocked")):
+    name = f"{name}_{gmm}"
     config = moe_hk.MoEConfig(num_experts=16, num_experts_per_tok=k, emb_dim=width,
                               mlp_dim=hidden, ragged_buffer_factor=factor,
                               moe_dropless_fallback="layer", a2a_impl="auto",
-                              gmm_impl="auto", dtype="bfloat16")
+                              gmm_impl=gmm, dtype="bfloat16")
     def loss(p, xx, config=config):
       y, stats = moe_hk.moe_forward(p, xx, config=config, mesh=mesh)
       return jnp.mean(jnp.square(y.astype(jnp.float32))), stats
@@ -150,7 +155,7 @@ def time_fallback_step(rounds: int) -> dict:
     m = step.lower(params, x).compile().memory_analysis()
     memory[name] = int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
                        - m.alias_size_in_bytes)
-  summary = timing.ratio_summary(timing.interleaved(fns, rounds), "full_buffer")
+  summary = timing.ratio_summary(timing.interleaved(fns, rounds), "full_buffer_ragged_dot")
   for name, s in summary.items():
     s["memory_MiB"] = memory[name] / 2 ** 20
   return summary
@@ -183,7 +188,7 @@ def main():
                          {k: v for k, v in r.items() if k != "shape"}, "dense_batched")
   if "error" not in result.get("fallback_step", {"error": None}):
     timing.print_table("one bf16 layer's value-and-grad step", result["fallback_step"],
-                       "full_buffer")
+                       "full_buffer_ragged_dot")
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ def main():
   parser.add_argument("--layers", type=int, default=4)
   args = parser.parse_args()
   mesh = fallback_memory.make_mesh("cpu")
-  config = fallback_memory.variant_config("fallback_scan")
+  config = fallback_memory.variant_config("fallback_scan", **fallback_overhead.TIMING_WIDTH)
   params, x = fallback_overhead.balanced_inputs(config, fallback_memory.BATCH,
                                                 fallback_memory.SEQ)
   step_fn = make_step(config, mesh, args.layers)  # traces once per kind of `step`

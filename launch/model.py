@@ -118,8 +118,8 @@ class Transformer(hk.Module):
 
   MoE blocks label their metric events with `step` and their ordinal among MoE blocks.
   `replay` builds the step-mode replay graph (every MoE layer chunked and dropless, same
-  parameters). `chunk_loop` replaces the MoE fallback's chunk loop (only `launch.aot` does, to measure the
-  unrolled loop the scan is compared with).
+  parameters). `chunk_loop` replaces the MoE fallback's chunk loop (only `launch.aot` does,
+  to measure the unrolled loop the scan is compared with).
   """
 
   def __init__(self, config: ml_collections.ConfigDict, mesh: Mesh, replay: bool = False,

@@ -41,7 +41,8 @@ class Steps(NamedTuple):
 def make_optimizer(config) -> tuple[optax.GradientTransformation, optax.Schedule]:
   """AdamW with linear warmup then cosine decay, after global-norm clipping."""
   schedule = optax.warmup_cosine_decay_schedule(
-      0.0, config.learning_rate, config.warmup_steps, max(config.train_steps, config.warmup_steps + 1))
+      0.0, config.learning_rate, config.warmup_steps,
+      max(config.train_steps, config.warmup_steps + 1))
   return optax.chain(optax.clip_by_global_norm(config.grad_clip_norm),
                      optax.adamw(schedule, weight_decay=config.weight_decay)), schedule
 

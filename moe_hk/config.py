@@ -47,7 +47,7 @@ class MoEConfig:
   # layer runs the chunked dropless path, never the worst-case buffer.
   step_replay: bool = False
   a2a_impl: str = "auto"              # 'native' (TPU/GPU), 'emulated' (CPU), 'auto' by platform.
-  gmm_impl: str = "auto"              # 'ragged_dot' (TPU), 'blocked' (CPU, GPU), 'auto' by platform.
+  gmm_impl: str = "auto"              # 'ragged_dot' (TPU), 'blocked' (CPU, GPU), or by platform.
   gmm_block_rows: int = 128           # Row block of the 'blocked' grouped matmul.
   router_score: str = "softmax"       # 'softmax' over the K selected logits, or 'sigmoid'.
   dtype: str = "float32"              # Compute dtype of the expert matmuls; params stay float32.
