@@ -82,14 +82,14 @@ def test_step_replay_mode_matches_layer_fallback(tmp_path):
 
 
 @pytest.mark.slow
-def test_bfloat16_compute_trains_close_to_float32(tmp_path):
-  """bf16 matmuls (params float32): the first loss is within 2% of float32's (bf16 keeps 8
-  mantissa bits) and training still makes progress."""
+def test_bfloat16_compute_tracks_float32(tmp_path):
+  """bf16 matmuls (params float32) follow the float32 loss curve within 1% at every step
+  (measured: within 4e-4 on both Pythons), and really compute in bf16 (the curves differ)."""
   f32 = trainer.train_and_evaluate(tiny_config(train_steps=6), str(tmp_path / "f32"))
   bf16 = trainer.train_and_evaluate(tiny_config(train_steps=6, dtype="bfloat16"),
                                     str(tmp_path / "bf16"))
-  np.testing.assert_allclose(bf16[0], f32[0], rtol=2e-2)
-  assert all(np.isfinite(bf16)) and min(bf16[3:]) < bf16[0], bf16
+  np.testing.assert_allclose(bf16, f32, rtol=1e-2)
+  assert np.max(np.abs(np.subtract(bf16, f32))) > 0
 
 
 @pytest.mark.slow
