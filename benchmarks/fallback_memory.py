@@ -7,7 +7,7 @@ and each model (one bare MoE layer; stacks of rematerialised MoE layers trained 
 compiles the step and prints total memory per device (arguments + outputs + temp - aliased)
 for: the worst-case buffer, the capped buffer, capped + `layer` fallback (scan of
 checkpointed chunks), the same with adaptive chunking, and capped + fallback with a
-Python-unrolled chunk loop (the naive form, kept here only as the comparison). JSON first,
+Python-unrolled chunk loop (the naive form, `moe_hk.fallback.unrolled_chunks`). JSON first,
 then a table.
 """
 from __future__ import annotations
@@ -29,7 +29,7 @@ import optax  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 
 import moe_hk  # noqa: E402
-from moe_hk import aot, mesh as mesh_lib  # noqa: E402
+from moe_hk import aot, fallback, mesh as mesh_lib  # noqa: E402
 
 # The single-layer setting where token buffers dominate: 8 shards, top-2, 8 experts,
 # 64 x 512 tokens (4,096 per shard), emb 1024, MLP 2048. Not narrower: on TPU a width of 64 is
@@ -42,11 +42,6 @@ VARIANTS = ("worst_case", "capped", "fallback_scan", "fallback_adaptive", "fallb
 # The setting's automatic chunk count is 2, a ladder of one rung; the adaptive variant asks for
 # 8 chunks, so its switch holds two chunked rungs (2 and 8 chunks) beside the capped path.
 ADAPTIVE_MAX_CHUNKS = 8
-
-
-def unrolled_chunks(body, num_chunks: int):
-  """The naive chunk loop: every chunk's residuals stay alive until the backward."""
-  return jnp.stack([body(i) for i in range(num_chunks)])
 
 
 def variant_config(variant: str, **overrides) -> moe_hk.MoEConfig:
@@ -80,7 +75,7 @@ def compile_step(variant: str, platform: str, layers: int):
   body, with an Adam update and donated params and optimizer state."""
   config = variant_config(variant)
   mesh = make_mesh(platform)
-  loop = {"chunk_loop": unrolled_chunks} if variant == "fallback_unrolled" else {}
+  loop = {"chunk_loop": fallback.unrolled_chunks} if variant == "fallback_unrolled" else {}
   layer = functools.partial(moe_hk.moe_forward, config=config, mesh=mesh, **loop)
   specs = moe_hk.param_specs(config, mesh)
   shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)

@@ -1,12 +1,20 @@
-"""Step time with the MoE metrics pipeline on vs off (8 CPU devices).
+"""Step time with the MoE metrics on vs off, per route (8 CPU devices).
 
   python -m benchmarks.metrics_overhead [--rounds=15 --layers=4]
 
 A scan-free stack of rematerialised MoE layers (the single-layer setting of `fallback_memory`,
-balanced routing, fallback enabled) trains one value-and-grad step. "on": the layers get
-`step=` and `layer_index=`, so each emits its events through `jax.debug.callback`, and the
-host aggregates them, writes TensorBoard scalars/histograms and checks the alert rules after
-every step. "off": no `step`, no events. Interleaved rounds; ratio per round. JSON, then a table.
+balanced routing, fallback enabled) trains one value-and-grad step that returns every layer's
+stats. Variants, interleaved, ratio per round:
+
+* `metrics_off`: the layers get no `step`: no callbacks; the host does nothing.
+* `from_step` (the launcher's route): the layers get `step=` and `layer_index=`, so the
+  fallback branch would call back if it ran (`emit_fallback_events`; nothing overflows here);
+  the host fetches the returned stats and `MoEMetrics.report_step` aggregates them, writes
+  TensorBoard scalars and histograms and runs the alert rules, every step.
+* `streamed`: the bare-layer route: `log_required_ragged_buffer_factor=True` calls back from
+  every layer every step and `MoEMetrics.end_step` waits for the callbacks.
+
+JSON, then a table.
 """
 from __future__ import annotations
 
@@ -25,14 +33,17 @@ import moe_hk  # noqa: E402
 
 
 def make_step(config, mesh, layers: int):
+  """jitted `(params, x, step) -> ((loss, stats stacked [layers]), grads)`."""
   layer = jax.checkpoint(functools.partial(moe_hk.moe_forward, config=config, mesh=mesh),
                          policy=jax.checkpoint_policies.nothing_saveable)
   def loss(params, x, step):
+    stats = []
     for i in range(layers):
-      y, _ = layer(params, x, step=step, layer_index=None if step is None else i)
+      y, s = layer(params, x, step=step, layer_index=None if step is None else i)
       x = x + y
-    return jnp.mean(x ** 2)
-  return jax.jit(jax.value_and_grad(loss))
+      stats.append(s)
+    return jnp.mean(x ** 2), jax.tree.map(lambda *a: jnp.stack(a), *stats)
+  return jax.jit(jax.value_and_grad(loss, has_aux=True))
 
 
 def main():
@@ -44,20 +55,31 @@ def main():
   config = fallback_memory.variant_config("fallback_scan", **fallback_overhead.TIMING_WIDTH)
   params, x = fallback_overhead.balanced_inputs(config, fallback_memory.BATCH,
                                                 fallback_memory.SEQ)
-  step_fn = make_step(config, mesh, args.layers)  # traces once per kind of `step`
+  # Each traces once per kind of `step` (None or traced).
+  from_step = make_step(config.replace(log_required_ragged_buffer_factor=False), mesh,
+                        args.layers)
+  streamed = make_step(config.replace(log_required_ragged_buffer_factor=True), mesh,
+                       args.layers)
   workdir = tempfile.mkdtemp()
   moe_metrics = metrics.MoEMetrics(
       workdir, worst_case_factor=metrics.worst_case_factor(8, 2, 8), flush_on_sigterm=False)
   counter = iter(range(10**9))
 
-  def metrics_on():
+  def on_from_step():
     step = next(counter)
-    out = step_fn(params, x, step)
+    (loss, stats), grads = from_step(params, x, step)
+    moe_metrics.report_step(step, jax.device_get(stats))
+    return loss, grads
+
+  def on_streamed():
+    step = next(counter)
+    out = streamed(params, x, step)
     jax.block_until_ready(out)
     moe_metrics.end_step(step)
     return out
 
-  fns = {"metrics_off": lambda: step_fn(params, x, None), "metrics_on": metrics_on}
+  fns = {"metrics_off": lambda: from_step(params, x, None), "from_step": on_from_step,
+         "streamed": on_streamed}
   summary = timing.ratio_summary(timing.interleaved(fns, args.rounds), "metrics_off")
   moe_metrics.close()
   print(json.dumps({"rounds": args.rounds, "layers": args.layers, "results": summary},

@@ -8,7 +8,7 @@ libtpu with no TPU attached, or `cpu:N` (N simulated CPU devices). Every variant
 same step as `launch.train` (value-and-grad, AdamW, donated state), differing only in the MoE
 layers: the worst-case buffer, the capped buffer (rows may drop), capped + `layer` fallback
 (scan of checkpointed chunks; also `fallback_adaptive`), and capped + a Python-unrolled chunk
-loop (the naive form, `benchmarks.fallback_memory.unrolled_chunks`). Prints JSON, then a table
+loop (the naive form, `moe_hk.fallback.unrolled_chunks`). Prints JSON, then a table
 of per-device memory (arguments + outputs + temporaries - aliased) from
 `compiled.memory_analysis()`. A variant whose temporaries exceed the chip's HBM does not compile
 for TPU; its row then shows the compiler's stated temporaries plus the argument shards.
@@ -36,8 +36,7 @@ from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 import moe_hk  # noqa: E402
-from benchmarks.fallback_memory import unrolled_chunks  # noqa: E402
-from launch import trainer  # noqa: E402
+from launch import overrides, trainer  # noqa: E402
 from launch.steps import make_steps  # noqa: E402
 from moe_hk import aot, fallback  # noqa: E402
 
@@ -81,9 +80,9 @@ def variant_config(config: ml_collections.ConfigDict, variant: str) -> ml_collec
   if variant == "worst_case":
     c.moe.ragged_buffer_factor = -1.0
   if variant in ("worst_case", "capped"):
-    c.moe.dropless_fallback = "none"
+    c.moe.moe_dropless_fallback = "none"
   else:
-    c.moe.dropless_fallback = "layer"
+    c.moe.moe_dropless_fallback = "layer"
     c.moe.dropless_fallback_chunking = "adaptive" if variant == "fallback_adaptive" else "fixed"
   return c
 
@@ -92,7 +91,7 @@ def compile_variant(config: ml_collections.ConfigDict, devices: list, variant: s
   """Compiles the train step of `variant` for `devices`; returns its memory figures (bytes)."""
   c = variant_config(config, variant)
   mesh = moe_hk.make_mesh(**c.mesh, devices=devices)
-  loop = unrolled_chunks if variant == "fallback_unrolled" else fallback.scan_chunks
+  loop = fallback.unrolled_chunks if variant == "fallback_unrolled" else fallback.scan_chunks
   steps = make_steps(c, mesh, chunk_loop=loop)
   state = jax.eval_shape(steps.init, jax.random.key(0))
   state = aot.abstract_like(state, steps.state_sharding)
@@ -161,4 +160,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=overrides.flags_parser("config", "launch/configs/maverick.py"))

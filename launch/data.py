@@ -1,17 +1,70 @@
-"""Training data: byte-level text from the Python standard library, or synthetic tokens.
+"""Training data: byte-level text or pre-tokenised records, served as this process's rows.
 
-Batches are a pure function of (seed, step): resuming at step n yields exactly the batches an
-uninterrupted run would have seen. The corpus is the interpreter's own `.py` sources (present
-on every machine, offline), read in sorted path order; its last `eval_fraction` is held out.
+Sources (`config.data.source`):
+  'stdlib'        the interpreter's own `.py` sources (present on every machine, offline), read in
+                  sorted path order, first `max_bytes` bytes; token = byte.
+  'synthetic'     `max_bytes` uniform random bytes drawn from `seed`.
+  'files'         the files matching the glob `config.data.pattern`, in sorted path order, read as
+                  bytes (token = byte, vocabulary 256).
+  'array_record'  ArrayRecord files matching `config.data.pattern`, in sorted path order. Each
+                  record is one pre-tokenised sequence of any length: the raw bytes of a
+                  little-endian int32 array, `np.asarray(tokens, '<i4').tobytes()`. Token ids must
+                  lie in [0, config.vocab_size) (checked on every batch served).
+
+'stdlib' and 'synthetic' draw windows at random starts; a batch is a pure function of
+(seed, step), so their iterator state is trivial. 'files' and 'array_record' are grain pipelines
+over one token stream (the files, or the records, concatenated in order; records are packed
+across their boundaries with no separator) cut into consecutive windows of S + 1 tokens; a partial
+last window is dropped. The last 5% of the windows (at least one) are held out for evaluation;
+training windows are shuffled with `seed`, reshuffled each epoch and repeated forever. The train
+batch of step `step` is rows [step * B, (step + 1) * B) of that sequence; process p reads only
+its own rows [p * b, (p + 1) * b) of it, so the processes' batches, concatenated in process order,
+are the global batch. Their train steps are served in order by a grain iterator whose state
+(`get_state`/`set_state`) makes a resumed run see exactly the batches of an uninterrupted one.
+
+Shapes: B global batch, b = B / process_count rows of this process, S sequence length,
+W = S + 1 window, N tokens of a stream, Q pieces (files or records) of a stream.
 """
 from __future__ import annotations
 
+import copy
+import dataclasses
+import glob
 import os
 import sysconfig
+from typing import TYPE_CHECKING, Callable, Protocol
 
 import numpy as np
 
+# grain is imported only where it is used: `import grain` imports jax whenever jax is installed,
+# and importing this module, or reading the byte sources, should import neither.
+if TYPE_CHECKING:
+  import grain
+
 VOCAB_SIZE = 256  # bytes
+SOURCES = ("stdlib", "synthetic", "files", "array_record")
+EVAL_FRACTION = 0.05
+# Each element a grain iterator prefetches is a whole [b, W] batch: a short queue bounds the
+# host memory it holds, a few threads keep reads ahead of the train step.
+_READ_OPTIONS = dict(num_threads=4, prefetch_buffer_size=4)
+_SCAN_CHUNK = 4096  # records read per call while measuring an ArrayRecord stream
+
+
+class Data(Protocol):
+  """What the trainer reads: this process's rows of each global batch, and a resumable state."""
+  vocab_size: int
+
+  def train_batch(self, step: int) -> np.ndarray:
+    """`[b, W]` int32: this process's rows of the global train batch of step `step`."""
+
+  def eval_batch(self, index: int) -> np.ndarray:
+    """`[b, W]` int32: this process's rows of held-out batch `index`."""
+
+  def get_state(self) -> dict:
+    """JSON-serialisable state after the last train batch served."""
+
+  def set_state(self, state: dict) -> None:
+    """Resumes from a `get_state()` of the same source."""
 
 
 def stdlib_corpus(max_bytes: int) -> np.ndarray:
@@ -33,39 +86,224 @@ def stdlib_corpus(max_bytes: int) -> np.ndarray:
   return np.frombuffer(b"".join(chunks), dtype=np.uint8)
 
 
+def _check_source(state: dict, source: str) -> None:
+  if state.get("source") != source:
+    raise ValueError(f"the data state was saved by source {state.get('source')!r}; this run reads "
+                     f"config.data.source={source!r}.")
+
+
+def _check_processes(batch_size: int, process_index: int, process_count: int) -> None:
+  """Raises unless the `process_count` processes can each hold b = batch_size / process_count."""
+  if process_count < 1 or batch_size % process_count:
+    raise ValueError(f"config.data.batch_size={batch_size} must be divisible by "
+                     f"process_count={process_count}.")
+  if not 0 <= process_index < process_count:
+    raise ValueError(f"process_index={process_index} must be in [0, {process_count}).")
+
+
 class TokenData:
-  """Windows of `seq_len + 1` tokens from a train and an eval split."""
+  """Windows of `seq_len + 1` tokens at random starts in a train and an eval split."""
 
   def __init__(self, tokens: np.ndarray, *, batch_size: int, seq_len: int, seed: int,
-               eval_fraction: float = 0.05):
+               source: str, process_index: int = 0, process_count: int = 1,
+               eval_fraction: float = EVAL_FRACTION):
     split = int(len(tokens) * (1 - eval_fraction))
     self.train, self.eval = tokens[:split], tokens[split:]
     for name, part in (("train", self.train), ("eval", self.eval)):
       if len(part) <= seq_len + 1:
         raise ValueError(f"the {name} split has {len(part)} tokens, fewer than seq_len + 1 = "
                          f"{seq_len + 1}.")
-    self.batch_size, self.seq_len, self.seed = batch_size, seq_len, seed
+    self.batch_size, self.seq_len, self.seed, self.source = batch_size, seq_len, seed, source
+    rows = batch_size // process_count
+    self._rows = slice(process_index * rows, (process_index + 1) * rows)
+    self.vocab_size = VOCAB_SIZE
 
   def _windows(self, tokens: np.ndarray, key: tuple) -> np.ndarray:
+    """`[b, W]`: this process's rows of the `[B, W]` batch drawn for `key`."""
     rng = np.random.default_rng((self.seed, *key))
-    starts = rng.integers(0, len(tokens) - self.seq_len - 1, size=self.batch_size)
+    # Every process draws all B starts, so its rows do not depend on the process count.
+    starts = rng.integers(0, len(tokens) - self.seq_len - 1, size=self.batch_size)[self._rows]
     return np.stack([tokens[s:s + self.seq_len + 1] for s in starts]).astype(np.int32)
 
   def train_batch(self, step: int) -> np.ndarray:
-    """`[B, S + 1]` int32 for train step `step` (same step, same batch)."""
+    """`[b, W]` int32 for train step `step` (same step, same batch)."""
     return self._windows(self.train, (0, step))
 
   def eval_batch(self, index: int) -> np.ndarray:
+    """`[b, W]` int32 held-out batch `index`."""
     return self._windows(self.eval, (1, index))
 
+  def get_state(self) -> dict:
+    """Batches are a pure function of (seed, step): only the source is recorded."""
+    return {"source": self.source}
 
-def make_data(config) -> TokenData:
-  """`config.data`: source ('stdlib' or 'synthetic'), max_bytes, batch_size, seq_len, seed."""
+  def set_state(self, state: dict) -> None:
+    _check_source(state, self.source)
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenStream:
+  """A stream of N tokens stored in Q pieces (files or records), read by slices."""
+  offsets: np.ndarray  # [Q + 1] int64: piece q holds stream tokens [offsets[q], offsets[q + 1])
+  read: Callable[[int, int, int], np.ndarray]  # (q, start, stop) -> tokens [start, stop) of q
+
+  def __len__(self) -> int:
+    return int(self.offsets[-1])
+
+  def tokens(self, start: int, stop: int) -> np.ndarray:
+    """Stream tokens [start, stop) as int32 `[stop - start]`, across piece boundaries."""
+    piece = int(np.searchsorted(self.offsets, start, side="right")) - 1
+    parts = []
+    while start < stop:
+      base, end = int(self.offsets[piece]), min(int(self.offsets[piece + 1]), stop)
+      parts.append(self.read(piece, start - base, end - base))
+      start, piece = end, piece + 1
+    return np.concatenate(parts).astype(np.int32)
+
+
+def _offsets(lengths: list[int]) -> np.ndarray:
+  """`[Q + 1]` int64 start of each piece in the stream, then N."""
+  return np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])
+
+
+def _read_file(path: str, start: int, stop: int) -> np.ndarray:
+  """Bytes [start, stop) of the file at `path`, as uint8 `[stop - start]`."""
+  with open(path, "rb") as f:
+    f.seek(start)
+    return np.frombuffer(f.read(stop - start), dtype=np.uint8)
+
+
+def file_stream(paths: list[str]) -> TokenStream:
+  """The bytes of `paths`, concatenated in order."""
+  return TokenStream(_offsets([os.path.getsize(p) for p in paths]),
+                     lambda q, start, stop: _read_file(paths[q], start, stop))
+
+
+def _record_tokens(record: bytes, index: int) -> int:
+  """The number of int32 tokens in record `index`."""
+  if len(record) % 4:
+    raise ValueError(f"ArrayRecord record {index} has {len(record)} bytes, not a multiple of 4; "
+                     "records must be little-endian int32 arrays.")
+  return len(record) // 4
+
+
+def array_record_stream(paths: list[str]) -> TokenStream:
+  """The int32 records of the ArrayRecord files `paths`, concatenated in order.
+
+  Measuring the stream reads every record once; only their lengths are kept."""
+  import grain
+
+  source = grain.sources.ArrayRecordDataSource(paths)
+  lengths = []
+  for first in range(0, len(source), _SCAN_CHUNK):
+    records = source.__getitems__(range(first, min(first + _SCAN_CHUNK, len(source))))
+    lengths += [_record_tokens(r, i) for i, r in enumerate(records, first)]
+  return TokenStream(_offsets(lengths),
+                     lambda q, start, stop: np.frombuffer(source[q], dtype="<i4")[start:stop])
+
+
+def _batches(window: Callable[[int], np.ndarray], first: int, count: int, *, seed: int,
+             rows: int, process_index: int, process_count: int) -> grain.MapDataset:
+  """Process `process_index`'s `[b, W]` batches of windows first .. first + count - 1, shuffled
+  and repeated forever: element k holds rows [k * B + p * b, k * B + (p + 1) * b) of the
+  shuffled window sequence (batch by b, then every process_count-th batch from p)."""
+  import grain
+
+  return (grain.MapDataset.range(first, first + count).shuffle(seed=seed).repeat()
+          .map(window).batch(rows).slice(slice(process_index, None, process_count)))
+
+
+class GrainData:
+  """Windows of a `TokenStream`: a grain iterator for training, random access for evaluation."""
+
+  def __init__(self, stream: TokenStream, *, source: str, what: str, vocab_size: int,
+               batch_size: int, seq_len: int, seed: int, process_index: int = 0,
+               process_count: int = 1, eval_fraction: float = EVAL_FRACTION):
+    import grain
+
+    width = seq_len + 1
+    windows = len(stream) // width
+    if windows < 2:
+      raise ValueError(f"{what} has {len(stream)} tokens; one train and one eval window of "
+                       f"seq_len + 1 = {width} tokens need at least {2 * width}.")
+    held_out = max(1, int(windows * eval_fraction))
+    self.source, self.vocab_size = source, vocab_size
+
+    def window(i: int) -> np.ndarray:  # [W]
+      return stream.tokens(i * width, (i + 1) * width)
+
+    split = dict(seed=seed, rows=batch_size // process_count, process_index=process_index,
+                 process_count=process_count)
+    train = _batches(window, 0, windows - held_out, **split)
+    self._iterator = iter(train.to_iter_dataset(grain.ReadOptions(**_READ_OPTIONS)))
+    self._eval = _batches(window, windows - held_out, held_out, **split)
+    self._step = 0
+
+  def _checked(self, batch: np.ndarray) -> np.ndarray:
+    """`batch`, after checking every token id is in [0, vocab_size)."""
+    bad = batch[(batch < 0) | (batch >= self.vocab_size)]
+    if bad.size:
+      raise ValueError(f"token id {int(bad[0])} in the {self.source} data is outside "
+                       f"[0, vocab_size={self.vocab_size}) (config.vocab_size).")
+    return batch
+
+  def train_batch(self, step: int) -> np.ndarray:
+    """`[b, W]` int32 for train step `step`; steps are served in order (see `set_state`)."""
+    if step != self._step:
+      raise ValueError(f"train_batch({step}): the {self.source} data serves steps in order and "
+                       f"expects step {self._step}; resume elsewhere with set_state.")
+    batch = self._checked(next(self._iterator))
+    self._step += 1
+    return batch
+
+  def eval_batch(self, index: int) -> np.ndarray:
+    """`[b, W]` int32 held-out batch `index` (a pure function of seed and index)."""
+    return self._checked(self._eval[index])
+
+  def get_state(self) -> dict:
+    """The next step and grain's iterator state, after the last train batch served."""
+    return {"source": self.source, "step": self._step,
+            "iterator": copy.deepcopy(self._iterator.get_state())}
+
+  def set_state(self, state: dict) -> None:
+    """Resumes so that the next `train_batch` is step `state['step']`."""
+    _check_source(state, self.source)
+    self._iterator.set_state(copy.deepcopy(state["iterator"]))
+    self._step = state["step"]
+
+
+def _matching_files(pattern: str, source: str) -> list[str]:
+  """The files matching `pattern`, sorted."""
+  if not pattern:
+    raise ValueError(f"config.data.source={source!r} needs config.data.pattern, a glob of its "
+                     "input files (e.g. '/data/*.txt').")
+  paths = sorted(p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p))
+  if not paths:
+    raise ValueError(f"config.data.pattern={pattern!r} matches no file.")
+  return paths
+
+
+def make_data(config, *, process_index: int = 0, process_count: int = 1) -> Data:
+  """This process's data. `config.data`: source (one of SOURCES), pattern (a glob, for 'files'
+  and 'array_record'), max_bytes ('stdlib', 'synthetic'), batch_size (global), seq_len, seed;
+  `config.vocab_size` bounds the token ids of 'array_record'."""
   d = config.data
+  _check_processes(d.batch_size, process_index, process_count)  # before reading any data
+  processes = dict(process_index=process_index, process_count=process_count)
   if d.source == "stdlib":
     tokens = stdlib_corpus(d.max_bytes)
   elif d.source == "synthetic":
     tokens = np.random.default_rng(d.seed).integers(0, VOCAB_SIZE, d.max_bytes, dtype=np.uint8)
+  elif d.source in ("files", "array_record"):
+    paths = _matching_files(d.pattern, d.source)
+    files = d.source == "files"
+    stream = file_stream(paths) if files else array_record_stream(paths)
+    return GrainData(stream, source=d.source,
+                     what=f"config.data.pattern={d.pattern!r} ({len(paths)} file(s))",
+                     vocab_size=VOCAB_SIZE if files else config.vocab_size,
+                     batch_size=d.batch_size, seq_len=d.seq_len, seed=d.seed, **processes)
   else:
-    raise ValueError(f"data.source={d.source!r} must be 'stdlib' or 'synthetic'.")
-  return TokenData(tokens, batch_size=d.batch_size, seq_len=d.seq_len, seed=d.seed)
+    raise ValueError(f"config.data.source={d.source!r} must be one of "
+                     f"{', '.join(map(repr, SOURCES))}.")
+  return TokenData(tokens, batch_size=d.batch_size, seq_len=d.seq_len, seed=d.seed,
+                   source=d.source, **processes)

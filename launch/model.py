@@ -9,6 +9,8 @@ matmuls run in `config.dtype`.
 """
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import math
 from typing import NamedTuple
 
@@ -28,19 +30,36 @@ class ModelOutput(NamedTuple):
   moe_stats: moe_hk.MoEStats  # per MoE block, stacked: each field has a leading [n] axis.
 
 
+# Keys of `config.moe` that configure the launcher (its MoE block, the buffer-factor
+# autopilot, the traffic recorder), not the `MoEConfig`.
+LAUNCHER_MOE_KEYS = ("shared_expert", "autotune_ragged_buffer_factor", "target_fallback_frequency",
+                     "memory_budget_gib", "autotune_window", "autotune_max_programs",
+                     "autotune_wait", "traffic_max_mib")
+# `MoEConfig` fields the launcher sets itself: the model's width and dtype, the replay flag.
+DERIVED_MOE_FIELDS = ("emb_dim", "dtype", "step_replay")
+
+
+def moe_config_keys() -> tuple[str, ...]:
+  """The valid keys of `config.moe`: the settable `MoEConfig` fields and the launcher's own."""
+  fields = [f.name for f in dataclasses.fields(moe_hk.MoEConfig)]
+  return tuple(f for f in fields if f not in DERIVED_MOE_FIELDS) + LAUNCHER_MOE_KEYS
+
+
 def moe_config(config: ml_collections.ConfigDict) -> moe_hk.MoEConfig:
-  """The MoE layer settings of a model config."""
-  m = config.moe
-  return moe_hk.MoEConfig(
-      num_experts=m.num_experts, num_experts_per_tok=m.num_experts_per_tok,
-      emb_dim=config.emb_dim, mlp_dim=m.mlp_dim, ragged_buffer_factor=m.ragged_buffer_factor,
-      moe_dropless_fallback=m.dropless_fallback,
-      dropless_fallback_chunking=m.dropless_fallback_chunking,
-      dropless_fallback_num_chunks=m.dropless_fallback_num_chunks,
-      use_ring_of_experts=m.use_ring_of_experts,
-      router_score=m.router_score, dtype=config.dtype,
-      load_balance_loss_weight=m.load_balance_loss_weight,
-      router_z_loss_weight=m.router_z_loss_weight)
+  """The MoE layer settings of a model config: `config.moe`'s `MoEConfig` fields, with the
+  model's `emb_dim` and `dtype`; `config.moe_metrics=False` turns the layer's callbacks off.
+  A key that is no MoE setting is a ValueError naming the closest valid ones."""
+  valid = moe_config_keys()
+  for key in config.moe:
+    if key not in valid:
+      close = difflib.get_close_matches(key, valid, n=3, cutoff=0.5)
+      raise ValueError(f"config.moe.{key} is not a MoE setting" +
+                       (f"; did you mean {', '.join('config.moe.' + c for c in close)}?"
+                        if close else f"; valid keys: {', '.join(valid)}."))
+  fields = {k: v for k, v in config.moe.items() if k not in LAUNCHER_MOE_KEYS}
+  if not config.moe_metrics:
+    fields.update(log_required_ragged_buffer_factor=False, emit_fallback_events=False)
+  return moe_hk.MoEConfig(**fields, emb_dim=config.emb_dim, dtype=config.dtype)
 
 
 def dense(x: jax.Array, features: int, name: str) -> jax.Array:

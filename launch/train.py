@@ -18,7 +18,7 @@ import jax  # noqa: E402
 from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from launch import trainer  # noqa: E402
+from launch import overrides, trainer  # noqa: E402
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Where checkpoints, TensorBoard events and "
                                "alerts.jsonl go; an existing run there is resumed.",
@@ -57,4 +57,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=overrides.flags_parser("config", "launch/configs/default.py"))

@@ -1,19 +1,19 @@
-"""MoE observability: in-graph events, host aggregation, CLU/TensorBoard writers, alerts.
+"""MoE observability on the host: aggregation, CLU/TensorBoard writers, alerts.
 
-The writer pieces import CLU (and so TensorFlow); they load on first use, so that the layer,
-which imports `metrics.emit`, stays light.
+The layer's in-graph events live in `moe_hk.events` (the layer depends on nothing here); this
+package registers itself as their sink. The writer pieces import CLU (and so TensorFlow);
+they load on first use.
 """
 import importlib
 
-from metrics.aggregator import Aggregator, LayerRecord, StepMetrics
+from metrics.aggregator import Aggregator, LayerRecord, StepMetrics, layer_record
 from metrics.alerts import Alert, AlertConfig, AlertManager
-from metrics.emit import LayerEvent, add_sink, remove_sink
 
 _LAZY = {"MoEMetrics": "metrics.pipeline", "worst_case_factor": "metrics.pipeline",
          "MoEMetricsWriter": "metrics.writer"}
 
-__all__ = ["Aggregator", "Alert", "AlertConfig", "AlertManager", "LayerEvent", "LayerRecord",
-           "StepMetrics", "add_sink", "remove_sink", *_LAZY]
+__all__ = ["Aggregator", "Alert", "AlertConfig", "AlertManager", "LayerRecord", "StepMetrics",
+           "layer_record", *_LAZY]
 
 
 def __getattr__(name):

@@ -1,11 +1,13 @@
-"""Host-side aggregation of MoE layer events into one record per (step, layer) and step metrics.
+"""Host-side aggregation of MoE layer stats into one record per (step, layer) and step metrics.
 
-Events arrive from `jax.debug.callback` on arbitrary threads and with duplicates: another copy
-when a rematerialised forward is recomputed under grad, one per process in multi-process runs.
-Every copy of one (step, layer, attempt) carries the same global stats, so the first is kept
-and later copies only add their shard to the record's set of reporters. A step-mode replay (attempt 1) replaces
-the discarded attempt's records. Memory is bounded: at most `max_open_steps` unfinished steps
-and fixed-size trailing windows.
+Stats arrive by two routes: the train step's returned `MoEStats`, fetched by the trainer every
+few steps (`add`), and layer events from `jax.debug.callback` on arbitrary threads (`__call__`),
+with duplicates: another copy when a rematerialised forward is recomputed under grad, one per
+process in multi-process runs. Every copy of one (step, layer, attempt) carries the same global
+stats, whichever route brought it, so the first is kept and later copies only add their shard
+to the record's set of reporters. A step-mode replay (attempt 1) replaces the discarded
+attempt's records. Memory is bounded: at most `max_open_steps` unfinished steps and fixed-size
+trailing windows; the windows are saved with checkpoints (`state_dict`).
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from metrics.emit import FALLBACK_EVENT, LayerEvent
+from moe_hk.events import FALLBACK_EVENT, LayerEvent
 
 
 class LayerRecord(NamedTuple):
@@ -27,7 +29,32 @@ class LayerRecord(NamedTuple):
   dropped_rows: int
   routed_rows: int
   tokens_per_expert: np.ndarray  # [E]
-  shards: frozenset              # devices whose events arrived
+  shards: frozenset              # processes whose reports arrived
+  fallback_chunks: int           # chunks the fallback ran (0 if it did not)
+  router_entropy: float          # mean router entropy (nats)
+  lb_loss: float                 # weighted load-balance loss
+  z_loss: float                  # weighted router z-loss
+  receiver_overflow_rows: np.ndarray  # [P] rows beyond each receiving expert shard's buffer
+
+  @property
+  def load_max_over_mean(self) -> float:
+    """The busiest expert's rows over the mean rows per expert (1 = perfectly balanced)."""
+    mean = float(np.mean(self.tokens_per_expert))
+    return float(np.max(self.tokens_per_expert)) / mean if mean else 0.0
+
+  @property
+  def dead_experts(self) -> int:
+    """Experts that got no row."""
+    return int(np.sum(self.tokens_per_expert == 0))
+
+  def hottest_experts(self, n: int = 3) -> list[int]:
+    """The `n` experts with the most rows, busiest first."""
+    return [int(e) for e in np.argsort(-self.tokens_per_expert, kind="stable")[:n]]
+
+  @property
+  def overflowing_receivers(self) -> list[int]:
+    """Expert shards (positions on the expert axis) whose capped buffer overflowed."""
+    return [int(j) for j in np.flatnonzero(self.receiver_overflow_rows)]
 
 
 class StepMetrics(NamedTuple):
@@ -35,6 +62,8 @@ class StepMetrics(NamedTuple):
   step: int
   layers: dict                   # layer ordinal -> LayerRecord
   fallback_layers: int           # MoE layers whose dropless fallback ran
+  lb_loss: float                 # weighted load-balance loss, summed over layers
+  z_loss: float                  # weighted router z-loss, summed over layers
   required_factor: float         # max over layers
   dropped_rows_fraction: float   # dropped rows / routed rows, over layers
   fallback_frequency: float      # fraction of the trailing window's steps with a fallback
@@ -42,17 +71,22 @@ class StepMetrics(NamedTuple):
   replayed: bool                 # the step's records come from a step-mode replay
 
 
-def _record(event: LayerEvent) -> LayerRecord:
-  s = event.stats
+def layer_record(stats, *, attempt: int, shard: int) -> LayerRecord:
+  """A record from one layer's `MoEStats` of one step (numpy or device values)."""
+  s = stats
   return LayerRecord(
-      attempt=event.attempt, fallback=bool(s.fallback) or event.name == FALLBACK_EVENT,
-      required_factor=float(s.required_factor), would_drop_rows=int(s.would_drop_rows),
-      dropped_rows=int(s.dropped_rows), routed_rows=int(np.sum(s.tokens_per_expert)),
-      tokens_per_expert=np.asarray(s.tokens_per_expert), shards=frozenset([event.shard]))
+      attempt=attempt, fallback=bool(s.fallback), required_factor=float(s.required_factor),
+      would_drop_rows=int(s.would_drop_rows), dropped_rows=int(s.dropped_rows),
+      routed_rows=int(np.sum(s.tokens_per_expert)),
+      tokens_per_expert=np.asarray(s.tokens_per_expert), shards=frozenset([shard]),
+      fallback_chunks=int(s.fallback_chunks), router_entropy=float(s.router_entropy),
+      lb_loss=float(s.lb_loss), z_loss=float(s.z_loss),
+      receiver_overflow_rows=np.asarray(s.receiver_overflow_rows))
 
 
 class Aggregator:
-  """Collects `LayerEvent`s (it is a sink: `metrics.emit.add_sink(aggregator)`)."""
+  """Collects per-layer stats: `add` from returned stats, or as an event sink
+  (`moe_hk.events.add_sink(aggregator)`)."""
 
   def __init__(self, window: int = 100, quantile: float = 0.99, max_open_steps: int = 64):
     if window < 1 or not 0 < quantile <= 1 or max_open_steps < 1:
@@ -70,21 +104,28 @@ class Aggregator:
     self.evicted_steps = 0    # unfinished steps dropped to bound memory
 
   def __call__(self, event: LayerEvent) -> None:
+    record = layer_record(event.stats, attempt=event.attempt, shard=event.shard)
+    if event.name == FALLBACK_EVENT:
+      record = record._replace(fallback=True)
+    self.add(event.step, event.layer, record)
+
+  def add(self, step: int, layer: int, record: LayerRecord) -> None:
+    """Files one layer's record of `step` (a duplicate only adds its shards)."""
     with self._lock:
-      if event.step <= self._finished_through:
+      if step <= self._finished_through:
         self.late_events += 1
         return
-      layers = self._open.get(event.step)
+      layers = self._open.get(step)
       if layers is None:
         if len(self._open) >= self.max_open_steps:
           del self._open[min(self._open)]
           self.evicted_steps += 1
-        layers = self._open[event.step] = {}
-      old = layers.get(event.layer)
-      if old is None or event.attempt > old.attempt:
-        layers[event.layer] = _record(event)
-      elif event.attempt == old.attempt:
-        layers[event.layer] = old._replace(shards=old.shards | {event.shard})
+        layers = self._open[step] = {}
+      old = layers.get(layer)
+      if old is None or record.attempt > old.attempt:
+        layers[layer] = record
+      elif record.attempt == old.attempt:
+        layers[layer] = old._replace(shards=old.shards | record.shards)
 
   def finish_step(self, step: int) -> StepMetrics | None:
     """Closes `step` (call after its outputs are ready and `jax.effects_barrier()`), updates
@@ -103,10 +144,46 @@ class Aggregator:
       routed = sum(r.routed_rows for r in records)
       self._fell_back.append(fallback_layers > 0)
       self._factors.append(required)
+      frequency, recommended = self._summary()
       return StepMetrics(
           step=step, layers=dict(sorted(layers.items())), fallback_layers=fallback_layers,
+          lb_loss=sum(r.lb_loss for r in records), z_loss=sum(r.z_loss for r in records),
           required_factor=required,
           dropped_rows_fraction=sum(r.dropped_rows for r in records) / max(routed, 1),
-          fallback_frequency=float(np.mean(self._fell_back)),
-          recommended_factor=float(np.quantile(np.asarray(self._factors), self.quantile)),
+          fallback_frequency=frequency, recommended_factor=recommended,
           replayed=any(r.attempt > 0 for r in records))
+
+  def _summary(self, fell_back=None, factors=None) -> tuple[float, float]:
+    """(fallback frequency, recommended factor) of the trailing windows (or of the given)."""
+    fell_back = self._fell_back if fell_back is None else fell_back
+    factors = self._factors if factors is None else factors
+    return (float(np.mean(fell_back)),
+            float(np.quantile(np.asarray(factors), self.quantile)))
+
+  def summary_with_fallback(self, required_factor: float) -> tuple[float, float]:
+    """`_summary()` as if a step that fell back needing `required_factor` had just finished
+    (for an alert raised from a fallback event, before its step is finished)."""
+    with self._lock:
+      fell_back = collections.deque(self._fell_back, maxlen=self._fell_back.maxlen)
+      factors = collections.deque(self._factors, maxlen=self._factors.maxlen)
+    fell_back.append(True)
+    factors.append(required_factor)
+    return self._summary(fell_back, factors)
+
+  def state_dict(self) -> dict:
+    """The trailing windows and the last finished step, JSON-serialisable (for checkpoints)."""
+    with self._lock:
+      return {"finished_through": self._finished_through,
+              "fell_back": [bool(v) for v in self._fell_back],
+              "factors": [float(v) for v in self._factors]}
+
+  def load_state_dict(self, state: dict) -> None:
+    """Restores `state_dict()`'s windows (a resumed run then reports what the uninterrupted
+    one would have); open steps are dropped."""
+    with self._lock:
+      self._open.clear()
+      self._finished_through = int(state["finished_through"])
+      self._fell_back.clear()
+      self._fell_back.extend(bool(v) for v in state["fell_back"])
+      self._factors.clear()
+      self._factors.extend(float(v) for v in state["factors"])

@@ -5,11 +5,15 @@ Rules:
   frequent_fallback     fallback frequency over the trailing window above a threshold
   rows_dropped          the capped buffer dropped rows (the fallback is off)
   near_worst_case       the required factor came within a margin of the worst case
+  buffer_factor_changed the launcher's autopilot switched the buffer factor (`factor_changed`)
 
-Each alert names the layers, since when the condition holds, how often it happens, and the
-`ragged_buffer_factor` that would have avoided overflow in the trailing window's quantile.
-Sinks: absl `logging.warning`, `alerts.jsonl` in the workdir (one JSON object a line), and an
-optional callable. A rule fires at most once every `min_steps_between` steps.
+Each alert names the step, the layers, for each layer the receiving expert shards whose buffer
+overflowed and the three hottest experts, since when the condition holds, how often it happens,
+and the `ragged_buffer_factor` that would have avoided overflow in the trailing window's
+quantile. `check` runs the rules on a finished step; `check_fallback` fires `fallback_ran` at
+once from a layer's fallback event (before the trainer fetches the step's stats). Sinks: absl
+`logging.warning`, `alerts.jsonl` in the workdir (one JSON object a line), and an optional
+callable. A rule fires at most once every `min_steps_between` steps.
 """
 from __future__ import annotations
 
@@ -23,7 +27,7 @@ from typing import Callable, NamedTuple
 
 from absl import logging
 
-from metrics.aggregator import StepMetrics
+from metrics.aggregator import LayerRecord, StepMetrics
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,11 +42,13 @@ class Alert(NamedTuple):
   step: int
   rule: str
   layers: list
+  hotspots: list     # per layer: {"layer", "receivers" (overflowing expert shards), "hot_experts"}
   since: int
   frequency: float
   required_factor: float
   recommended_ragged_buffer_factor: float
   message: str
+  details: dict | None = None   # buffer_factor_changed: old and new factor, the evidence
 
 
 def _round_up(factor: float) -> float:
@@ -82,23 +88,59 @@ class AlertManager:
     return {rule: ls for rule, ls in held.items() if ls or rule == "frequent_fallback"}
 
   def check(self, m: StepMetrics) -> list[Alert]:
-    """Returns (and sends) the alerts of this step."""
-    alerts = []
+    """Returns (and sends) the alerts of this finished step."""
     with self._lock:
       held = self._conditions(m)
       for rule in list(self._since):
         if rule not in held:
           del self._since[rule]
-      for rule, layers in held.items():
-        since = self._since.setdefault(rule, m.step)
-        last = self._last_sent.get(rule)
-        if last is not None and m.step - last < self.config.min_steps_between:
-          continue
-        self._last_sent[rule] = m.step
-        alerts.append(self._alert(m, rule, layers, since))
-    for alert in alerts:
+      return [a for rule, layers in held.items() if (a := self._fire(m, rule, layers))]
+
+  def check_fallback(self, step: int, layer: int, record: LayerRecord, *,
+                     frequency: float, recommended_factor: float) -> Alert | None:
+    """`fallback_ran` for one layer's fallback event, before its step is finished;
+    `frequency` and `recommended_factor` are the window's, counting this step."""
+    m = StepMetrics(step=step, layers={layer: record}, fallback_layers=1,
+                    lb_loss=record.lb_loss, z_loss=record.z_loss,
+                    required_factor=record.required_factor, dropped_rows_fraction=0.0,
+                    fallback_frequency=frequency, recommended_factor=recommended_factor,
+                    replayed=record.attempt > 0)
+    with self._lock:
+      return self._fire(m, "fallback_ran", [layer])
+
+  def factor_changed(self, step: int, old: float, new: float, reason: str,
+                     evidence: dict) -> Alert:
+    """`buffer_factor_changed`: the autopilot switched the buffer factor (never rate-limited:
+    the autopilot's own hysteresis bounds how often)."""
+    frequency = float(evidence.get("observed_recent_frequency", 0.0))
+    required = float(evidence.get("max_required_factor", 0.0))
+    message = (f"MoE autopilot [buffer_factor_changed] at step {step}: ragged_buffer_factor "
+               f"{old:g} -> {new:g} ({reason}); over the last {evidence.get('window_steps')} "
+               f"steps the max required factor was {required:.3g}, the predicted fallback "
+               f"frequency at {new:g} is {evidence.get('predicted_frequency', 0.0):.1%} "
+               f"(target {evidence.get('target_fallback_frequency', 0.0):.1%}), observed "
+               f"{frequency:.1%} over the last {evidence.get('recent_steps')} steps" +
+               (f"; the new program needs {memory / 2**20:.1f} MiB per device."
+                if (memory := evidence.get("memory_bytes_per_device")) else "."))
+    alert = Alert(time=time.time(), step=step, rule="buffer_factor_changed", layers=[],
+                  hotspots=[], since=step, frequency=frequency, required_factor=required,
+                  recommended_ragged_buffer_factor=new, message=message,
+                  details={"old_factor": old, "new_factor": new, "reason": reason,
+                           "evidence": evidence})
+    with self._lock:
       self._send(alert)
-    return alerts
+    return alert
+
+  def _fire(self, m: StepMetrics, rule: str, layers: list[int]) -> Alert | None:
+    """Sends `rule`'s alert unless it fired within `min_steps_between` steps (lock held)."""
+    since = self._since.setdefault(rule, m.step)
+    last = self._last_sent.get(rule)
+    if last is not None and m.step - last < self.config.min_steps_between:
+      return None
+    self._last_sent[rule] = m.step
+    alert = self._alert(m, rule, layers, since)
+    self._send(alert)
+    return alert
 
   def _alert(self, m: StepMetrics, rule: str, layers: list[int], since: int) -> Alert:
     recommended = _round_up(m.recommended_factor)
@@ -111,11 +153,16 @@ class AlertManager:
         "frequent_fallback": (f"overflowed on {m.fallback_frequency:.0%} of recent steps "
                               f"(threshold {self.config.frequency_threshold:.0%})"),
     }[rule]
-    message = (f"MoE overflow [{rule}] at step {m.step}: layers {layers} {what}; since step "
-               f"{since}, fallback frequency {m.fallback_frequency:.0%}, required factor "
-               f"{m.required_factor:.3g}; ragged_buffer_factor={recommended} would have "
+    hotspots = [{"layer": i, "receivers": m.layers[i].overflowing_receivers,
+                 "hot_experts": m.layers[i].hottest_experts(3)} for i in layers]
+    where = "; ".join(f"layer {h['layer']}: expert shards {h['receivers']} overflowed, "
+                      f"hottest experts {h['hot_experts']}" for h in hotspots)
+    message = (f"MoE overflow [{rule}] at step {m.step}: layers {layers} {what} ({where}); "
+               f"since step {since}, fallback frequency {m.fallback_frequency:.0%}, required "
+               f"factor {m.required_factor:.3g}; ragged_buffer_factor={recommended} would have "
                f"avoided overflow in the recent window.")
-    return Alert(time=time.time(), step=m.step, rule=rule, layers=layers, since=since,
+    return Alert(time=time.time(), step=m.step, rule=rule, layers=layers, hotspots=hotspots,
+                 since=since,
                  frequency=m.fallback_frequency, required_factor=m.required_factor,
                  recommended_ragged_buffer_factor=recommended, message=message)
 

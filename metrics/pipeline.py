@@ -1,14 +1,24 @@
-"""`MoEMetrics`: layer events -> aggregator -> TensorBoard writer and alerts, once per step."""
+"""`MoEMetrics`: per-layer stats -> aggregator -> TensorBoard writer and alerts, once per step.
+
+Two ways to feed it. A train step that returns its MoE layers' stats (the launcher) hands them
+over with `report_step`, as many steps at a time as it fetched from the device, so the host
+never waits for the device in between; `end_interval` then writes the `moe/expert_load` image
+and flushes. A loop over bare layers that stream their stats through callbacks
+(`MoEConfig.log_required_ragged_buffer_factor`) calls `end_step` after each step instead, which
+waits for the step's callbacks. Either way, a layer's fallback event raises the
+`fallback_ran` alert as soon as it reaches the host.
+"""
 from __future__ import annotations
 
 from typing import Any, Callable, Mapping
 
 import jax
+import numpy as np
 
-from metrics import emit
-from metrics.aggregator import Aggregator, StepMetrics
+from metrics.aggregator import Aggregator, StepMetrics, layer_record
 from metrics.alerts import Alert, AlertConfig, AlertManager
 from metrics.writer import STEP_REPLAYS_TAG, MoEMetricsWriter
+from moe_hk import events
 
 
 def worst_case_factor(num_experts: int, k: int, expert_shards: int) -> float:
@@ -17,10 +27,12 @@ def worst_case_factor(num_experts: int, k: int, expert_shards: int) -> float:
 
 
 class MoEMetrics:
-  """Collects the MoE layers' events while open and reports each finished step.
+  """Collects MoE layer stats while open and reports each finished step.
 
-  Usage: `with MoEMetrics(workdir, worst_case_factor=...) as moe_metrics:` then, after each
-  train step whose MoE layers got `step=` (and `layer_index=`), `moe_metrics.end_step(step)`.
+  Usage: `with MoEMetrics(workdir, worst_case_factor=...) as moe_metrics:` then either
+  `report_step(step, stats)` with the `MoEStats` (fields stacked `[layers, ...]`) a train step
+  returned, or, after each step whose layers got `step=` (and `layer_index=`),
+  `end_step(step)`.
   """
 
   def __init__(self, workdir: str, *, worst_case_factor: float, window: int = 100,
@@ -36,7 +48,8 @@ class MoEMetrics:
       self.writer.write_hparams(hparams)
     if flush_on_sigterm:
       self.writer.flush_on_sigterm()
-    emit.add_sink(self.aggregator)
+    self._interval_load = None  # [layers, E] rows since the last end_interval
+    events.add_sink(self._on_event)
     self._open = True
 
   def __enter__(self) -> "MoEMetrics":
@@ -45,10 +58,43 @@ class MoEMetrics:
   def __exit__(self, *exc) -> None:
     self.close()
 
+  def _on_event(self, event: events.LayerEvent) -> None:
+    """Callback sink: files the event; a fallback event alerts at once."""
+    self.aggregator(event)
+    if event.name == events.FALLBACK_EVENT:
+      record = layer_record(event.stats, attempt=event.attempt, shard=event.shard)
+      frequency, recommended = self.aggregator.summary_with_fallback(record.required_factor)
+      self.alerts.check_fallback(event.step, event.layer, record._replace(fallback=True),
+                                 frequency=frequency, recommended_factor=recommended)
+
+  def report_step(self, step: int, stats: Any, *, attempt: int = 0,
+                  replays: int | None = None,
+                  extra_scalars: Mapping[str, float] | None = None) -> StepMetrics | None:
+    """Files the stats a train step returned (`MoEStats`, numpy, fields `[layers, ...]`;
+    `attempt` 1 for a step-mode replay), finishes the step, writes it, runs the alerts."""
+    shard = jax.process_index()
+    for layer in range(np.shape(stats.fallback)[0]):
+      one = type(stats)(*(np.asarray(field)[layer] for field in stats))
+      self.aggregator.add(step, layer, layer_record(one, attempt=attempt, shard=shard))
+    load = np.asarray(stats.tokens_per_expert, np.int64)
+    self._interval_load = load if self._interval_load is None else self._interval_load + load
+    return self._finish(step, replays, extra_scalars)
+
+  def end_interval(self, step: int) -> None:
+    """Writes the `moe/expert_load` image of the rows reported since the last call, at
+    `step`, and flushes the writer."""
+    if self._interval_load is not None:
+      self.writer.write_expert_load(step, self._interval_load)
+      self._interval_load = None
+    self.writer.flush()
+
   def end_step(self, step: int, *, replays: int | None = None,
                extra_scalars: Mapping[str, float] | None = None) -> StepMetrics | None:
-    """Waits for the step's callbacks, writes its metrics, runs the alert rules."""
+    """Callback route: waits for the step's callbacks, then writes it and runs the alerts."""
     jax.effects_barrier()
+    return self._finish(step, replays, extra_scalars)
+
+  def _finish(self, step, replays, extra_scalars) -> StepMetrics | None:
     m = self.aggregator.finish_step(step)
     if m is not None:
       self.writer.write_step(m, replays=replays, extra=extra_scalars)
@@ -60,6 +106,6 @@ class MoEMetrics:
 
   def close(self) -> None:
     if self._open:
-      emit.remove_sink(self.aggregator)
+      events.remove_sink(self._on_event)
       self._open = False
     self.writer.close()

@@ -1,14 +1,21 @@
 """CLU metric writers for the MoE tags (TensorBoard event files), flushed on exit and SIGTERM.
 
-Tags (DESIGN.md §6):
+Tags (DESIGN.md §6 and §10; `<i>` is the 0-based ordinal among MoE layers):
   learning/moe_dropless_fallback_layers       MoE layers whose dropless fallback ran this step
   moe/fallback_frequency                      fraction of trailing-window steps with a fallback
   moe/required_ragged_buffer_factor           max over layers of the factor the traffic needed
-  moe/required_ragged_buffer_factor/layer_<i> per MoE layer (0-based ordinal)
+  moe/required_ragged_buffer_factor/layer_<i> per MoE layer
   moe/dropped_rows_fraction                   rows dropped / rows routed
   moe/recommended_ragged_buffer_factor        high quantile of recent required factors
+  moe/lb_loss, moe/z_loss                     weighted load-balance and router z-loss, all layers
+  moe/load_max_over_mean/layer_<i>            busiest expert's rows over the mean per expert
+  moe/dead_experts/layer_<i>                  experts that got no row
+  moe/router_entropy/layer_<i>                mean entropy of the router softmax (nats)
+  moe/fallback_chunks/layer_<i>               chunks the fallback ran (0: it did not run)
   moe/step_replays                            step-mode replays so far
   moe/tokens_per_expert/layer_<i>             histogram of rows per expert
+  moe/expert_load                             image: MoE layers x experts, rows over the fair
+                                              share over a log interval (grey = fair share)
 """
 from __future__ import annotations
 
@@ -18,6 +25,7 @@ import threading
 from typing import Any, Mapping
 
 import jax
+import numpy as np
 from clu import metric_writers
 
 from metrics.aggregator import StepMetrics
@@ -27,8 +35,18 @@ FREQUENCY_TAG = "moe/fallback_frequency"
 REQUIRED_FACTOR_TAG = "moe/required_ragged_buffer_factor"
 DROPPED_FRACTION_TAG = "moe/dropped_rows_fraction"
 RECOMMENDED_FACTOR_TAG = "moe/recommended_ragged_buffer_factor"
+LB_LOSS_TAG = "moe/lb_loss"
+Z_LOSS_TAG = "moe/z_loss"
+LOAD_MAX_OVER_MEAN_TAG = "moe/load_max_over_mean"
+DEAD_EXPERTS_TAG = "moe/dead_experts"
+ROUTER_ENTROPY_TAG = "moe/router_entropy"
+FALLBACK_CHUNKS_TAG = "moe/fallback_chunks"
 STEP_REPLAYS_TAG = "moe/step_replays"
 TOKENS_PER_EXPERT_TAG = "moe/tokens_per_expert"
+EXPERT_LOAD_TAG = "moe/expert_load"
+# moe/expert_load: each (layer, expert) cell is a square of this many pixels; its grey level
+# is load / fair share / 2, so black = no rows, mid grey = the fair share, white >= 2x.
+EXPERT_LOAD_CELL_PIXELS = 8
 
 
 def step_scalars(m: StepMetrics) -> dict[str, float]:
@@ -39,10 +57,27 @@ def step_scalars(m: StepMetrics) -> dict[str, float]:
       REQUIRED_FACTOR_TAG: m.required_factor,
       DROPPED_FRACTION_TAG: m.dropped_rows_fraction,
       RECOMMENDED_FACTOR_TAG: m.recommended_factor,
+      LB_LOSS_TAG: m.lb_loss,
+      Z_LOSS_TAG: m.z_loss,
   }
-  for layer, record in m.layers.items():
-    scalars[f"{REQUIRED_FACTOR_TAG}/layer_{layer}"] = record.required_factor
+  for layer, r in m.layers.items():
+    scalars[f"{REQUIRED_FACTOR_TAG}/layer_{layer}"] = r.required_factor
+    scalars[f"{LOAD_MAX_OVER_MEAN_TAG}/layer_{layer}"] = r.load_max_over_mean
+    scalars[f"{DEAD_EXPERTS_TAG}/layer_{layer}"] = r.dead_experts
+    scalars[f"{ROUTER_ENTROPY_TAG}/layer_{layer}"] = r.router_entropy
+    scalars[f"{FALLBACK_CHUNKS_TAG}/layer_{layer}"] = r.fallback_chunks
   return scalars
+
+
+def expert_load_image(tokens_per_expert: np.ndarray) -> np.ndarray:
+  """`[H, W, 1]` float image in [0, 1] of `tokens_per_expert [layers, E]` (rows summed over
+  an interval): each cell is rows over the layer's fair share (mean per expert), halved and
+  clipped, drawn as an `EXPERT_LOAD_CELL_PIXELS` square."""
+  load = np.asarray(tokens_per_expert, np.float64)
+  fair = np.maximum(load.mean(axis=1, keepdims=True), 1e-12)
+  cells = np.clip(load / fair / 2, 0.0, 1.0)
+  pixels = np.kron(cells, np.ones((EXPERT_LOAD_CELL_PIXELS, EXPERT_LOAD_CELL_PIXELS)))
+  return pixels[..., None].astype(np.float32)
 
 
 class MoEMetricsWriter:
@@ -82,6 +117,10 @@ class MoEMetricsWriter:
                  for layer, record in m.layers.items()},
         num_buckets={f"{TOKENS_PER_EXPERT_TAG}/layer_{layer}": self._buckets
                      for layer in m.layers})
+
+  def write_expert_load(self, step: int, tokens_per_expert: np.ndarray) -> None:
+    """The `moe/expert_load` image of `tokens_per_expert [layers, E]` (an interval's rows)."""
+    self._writer.write_images(step, {EXPERT_LOAD_TAG: expert_load_image(tokens_per_expert)[None]})
 
   def write_scalars(self, step: int, scalars: Mapping[str, float]) -> None:
     self._writer.write_scalars(step, dict(scalars))

@@ -50,13 +50,21 @@ class MoEConfig:
   gmm_impl: str = "auto"              # 'ragged_dot' (TPU), 'blocked' (CPU, GPU), or by platform.
   gmm_block_rows: int = 128           # Row block of the 'blocked' grouped matmul.
   router_score: str = "softmax"       # 'softmax' over the K selected logits, or 'sigmoid'.
-  dtype: str = "float32"              # Compute dtype of the expert matmuls; params stay float32.
+  # Compute dtype of the expert matmuls (a name or a jnp dtype, stored as its name); params
+  # stay float32.
+  dtype: str = "float32"
   load_balance_loss_weight: float = 0.01
   router_z_loss_weight: float = 0.0   # ST-MoE z-loss weight (1e-3 is the usual choice).
   expert_axis: str = "expert"         # Mesh axis the experts are sharded over.
   # Stream each step's stats (required factor, fallback, drops) to the host through
   # jax.debug.callback when the layer is given a step; the step returns them either way.
   log_required_ragged_buffer_factor: bool = True
+  # Call back to the host from the branch that fell back (`moe_dropless_fallback_layers`
+  # events) when the layer is given a step, so host alerts react at once.
+  emit_fallback_events: bool = True
+  # Report every device's routed rows per expert (`MoEStats.routed_rows_per_device`), the
+  # traffic a capacity planner replays; off, that field is empty ([0, E]).
+  record_traffic: bool = False
 
   def __post_init__(self):
     for name in ("num_experts", "num_experts_per_tok", "emb_dim", "mlp_dim", "gmm_block_rows"):
@@ -75,7 +83,7 @@ class MoEConfig:
     self._check_choice("a2a_impl", A2A_IMPLS)
     self._check_choice("gmm_impl", GMM_IMPLS)
     self._check_choice("router_score", ROUTER_SCORES)
-    self._check_choice("dtype", DTYPES)
+    self._normalise_dtype()
     if self.moe_dropless_fallback == "step" and not self.use_ring_of_experts:
       _fail("moe_dropless_fallback", "step",
             "'step' replays the train step when a ring-of-experts layer overflows and needs "
@@ -88,6 +96,17 @@ class MoEConfig:
         _fail(name, getattr(self, name), "must be >= 0")
     if not self.expert_axis or not isinstance(self.expert_axis, str):
       _fail("expert_axis", self.expert_axis, "must be a mesh axis name")
+
+  def _normalise_dtype(self) -> None:
+    """Accepts a dtype name or a jnp/numpy dtype; stores the name."""
+    try:
+      name = jnp.dtype(self.dtype).name
+    except TypeError:
+      name = None
+    if name not in DTYPES:
+      _fail("dtype", self.dtype, "must be one of " + ", ".join(repr(a) for a in DTYPES) +
+            " (a name or the jnp dtype)")
+    object.__setattr__(self, "dtype", name)
 
   def _check_choice(self, field: str, allowed: tuple[str, ...]) -> None:
     value = getattr(self, field)

@@ -66,9 +66,14 @@ def required_factor(traffic: jax.Array, routed_rows: int) -> jax.Array:
   return jnp.max(traffic.sum(axis=0)).astype(jnp.float32) / routed_rows
 
 
+def receiver_overflow_rows(traffic: jax.Array, rows: int) -> jax.Array:
+  """`[P]` int32: rows beyond receiver j's buffer of `rows`."""
+  return jnp.maximum(traffic.sum(axis=0) - rows, 0)
+
+
 def overflow_rows(traffic: jax.Array, rows: int) -> jax.Array:
   """Rows of the expert group beyond the receivers' buffers (int32 scalar)."""
-  return jnp.sum(jnp.maximum(traffic.sum(axis=0) - rows, 0))
+  return jnp.sum(receiver_overflow_rows(traffic, rows))
 
 
 def chunk_receiver_rows(fine_counts: jax.Array, num_chunks: int) -> jax.Array:

@@ -78,6 +78,12 @@ def scan_chunks(body: Callable[[jax.Array], jax.Array], num_chunks: int) -> jax.
   return jax.lax.scan(lambda carry, i: (carry, body(i)), None, jnp.arange(num_chunks))[1]
 
 
+def unrolled_chunks(body: Callable[[jax.Array], jax.Array], num_chunks: int) -> jax.Array:
+  """The naive chunk loop `scan_chunks` is measured against (never a mode users pick): a
+  Python loop, so every chunk's residuals stay alive until the backward."""
+  return jnp.stack([body(i) for i in range(num_chunks)])
+
+
 def token_chunks(a: jax.Array, n: int) -> jax.Array:
   """`[B, S, ...]` -> `[n, B * S / n, ...]`: n contiguous blocks of the (b, s)-ordered tokens."""
   return a.reshape(n, a.shape[0] * a.shape[1] // n, *a.shape[2:])

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 
-from moe_hk import fallback
+from moe_hk import fallback, mesh as mesh_lib
 from moe_hk.config import MoEConfig
 from moe_hk.sharded import MoEParams, moe_forward, param_specs
 from moe_hk.stats import MoEStats
@@ -65,6 +65,10 @@ class MoELayer(hk.Module):
     """`step` and `layer_index` (optional, may be traced) only label the metric events the
     layer streams to the host (none without `step`, none during `init`); `force_dropless`
     uses the worst-case buffer (no truncation, no fallback)."""
+    # Before any parameter exists: a mesh that does not fit must fail with the project's
+    # ValueError, not with jax's sharding errors from the initializers.
+    mesh_lib.validate_mesh(self.config, self.mesh)
+    mesh_lib.validate_input(self.config, self.mesh, x.shape)
     params = _get_params(self.config, self.mesh)
     y, stats = moe_forward(params, x, config=self.config, mesh=self.mesh,
                            step=None if hk.running_init() else step, layer_index=layer_index,

@@ -8,6 +8,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.scipy.special import entr
 
 
 class Routing(NamedTuple):
@@ -59,3 +60,11 @@ def router_z_loss(routing: Routing) -> jax.Array:
   Keeps router logits small, so their float32 softmax and top-k stay well conditioned.
   """
   return jnp.mean(jnp.square(routing.log_norm))
+
+
+def router_entropy(routing: Routing) -> jax.Array:
+  """Mean over tokens of the entropy (nats) of the router's softmax over all E experts.
+
+  log(E) when every token is undecided; near 0 when each token is sure of its experts.
+  """
+  return jnp.mean(jnp.sum(entr(routing.probs), axis=-1))

@@ -30,6 +30,8 @@ class ShardStats(NamedTuple):
   lb_loss: jax.Array            # [] float32, this shard's unweighted load-balance loss.
   z_loss: jax.Array             # [] float32, this shard's unweighted router z-loss.
   fallback_chunks: jax.Array    # [] int32, chunks the dropless fallback ran in (0: it did not).
+  router_entropy: jax.Array     # [] float32, this shard's mean router entropy.
+  receiver_overflow_rows: jax.Array  # [P] int32, the expert group's rows beyond each receiver's buffer.
 
 
 def moe_shard(x: jax.Array, router_w: jax.Array, experts: ExpertWeights, *, config: MoEConfig,
@@ -122,7 +124,9 @@ def moe_shard(x: jax.Array, router_w: jax.Array, experts: ExpertWeights, *, conf
       tokens_per_expert=routing_lib.tokens_per_expert(route.expert_ids, config.num_experts),
       lb_loss=routing_lib.load_balance_loss(route, config.num_experts),
       z_loss=routing_lib.router_z_loss(route),
-      fallback_chunks=chunks)
+      fallback_chunks=chunks,
+      router_entropy=routing_lib.router_entropy(route),
+      receiver_overflow_rows=dispatch_plan.receiver_overflow_rows(traffic, capped_rows))
   return y.astype(x.dtype), stats
 
 

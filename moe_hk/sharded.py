@@ -15,7 +15,7 @@ from moe_hk.config import MoEConfig
 from moe_hk.ragged_path import Backends, ExpertWeights
 from moe_hk.shard_layer import ShardStats, moe_shard
 from moe_hk.stats import MoEStats
-from metrics.emit import emit_layer_event
+from moe_hk.events import emit_layer_event
 
 
 class MoEParams(NamedTuple):
@@ -84,7 +84,19 @@ def reduce_stats(local: ShardStats, mesh: Mesh, config: MoEConfig) -> MoEStats:
       tokens_per_expert=jax.lax.psum(local.tokens_per_expert, all_axes),
       lb_loss=jax.lax.pmean(local.lb_loss, all_axes) * config.load_balance_loss_weight,
       z_loss=jax.lax.pmean(local.z_loss, all_axes) * config.router_z_loss_weight,
-      fallback_chunks=jax.lax.pmax(local.fallback_chunks, all_axes))
+      fallback_chunks=jax.lax.pmax(local.fallback_chunks, all_axes),
+      router_entropy=jax.lax.pmean(local.router_entropy, all_axes),
+      receiver_overflow_rows=per_group(local.receiver_overflow_rows),
+      routed_rows_per_device=_per_device(local.tokens_per_expert, all_axes, mesh.size)
+      if config.record_traffic else jnp.zeros((0, config.num_experts), jnp.int32))
+
+
+def _per_device(value: jax.Array, axes: tuple[str, ...], devices: int) -> jax.Array:
+  """`[devices, ...]`: every device's `value`, replicated, devices in mesh order (the last
+  axis fastest). A psum of one-hot rows (an all_gather over several axes is not inferred
+  replicated by shard_map)."""
+  rows = jnp.zeros((devices, *value.shape), value.dtype)
+  return jax.lax.psum(rows.at[jax.lax.axis_index(axes)].set(value), axes)
 
 
 def moe_forward(params: MoEParams, x: jax.Array, *, config: MoEConfig, mesh: Mesh,
@@ -94,8 +106,10 @@ def moe_forward(params: MoEParams, x: jax.Array, *, config: MoEConfig, mesh: Mes
                 ) -> tuple[jax.Array, MoEStats]:
   """The MoE layer as a pure function: `x [B, S, D]` -> `(y [B, S, D], MoEStats)`.
 
-  The batch is sharded over every mesh axis. When `step` is given (and
-  `config.log_required_ragged_buffer_factor`), the layer streams its stats to the host as `metrics.emit.LayerEvent`s labelled (step, layer_index or 0, process, attempt).
+  The batch is sharded over every mesh axis. When `step` is given, the layer calls back to the
+  host with `moe_hk.events.LayerEvent`s labelled (step, layer_index or 0, process, attempt):
+  from the fallback branch (`config.emit_fallback_events`) and, with
+  `config.log_required_ragged_buffer_factor`, every step.
   `force_dropless` runs the worst-case buffer (no truncation, no fallback). `chunk_loop` runs
   the fallback's chunks (benchmarks swap in an unrolled loop to compare). Raises `ValueError`
   for a mesh or input that does not fit.
@@ -119,9 +133,11 @@ def moe_forward(params: MoEParams, x: jax.Array, *, config: MoEConfig, mesh: Mes
   fn = jax.shard_map(shard_fn, mesh=mesh, in_specs=(batch, *specs),
                      out_specs=(batch, stats_specs))
   y, stats = fn(x, *params)
-  if step is not None and config.log_required_ragged_buffer_factor:
+  every_step = config.log_required_ragged_buffer_factor
+  can_fall_back = config.emit_fallback_events and config.moe_dropless_fallback != "none"
+  if step is not None and (every_step or can_fall_back):
     # Outside shard_map: the stats are replicated, so one callback per step and layer (two
     # when a rematerialised forward is recomputed), not one per device.
     emit_layer_event(stats, step=labels[0], layer=labels[1], shard=jax.process_index(),
-                     attempt=int(config.step_replay))
+                     attempt=int(config.step_replay), every_step=every_step)
   return y, stats

@@ -16,3 +16,11 @@ class MoEStats(NamedTuple):
   lb_loss: jax.Array            # [] float32, load-balance loss x load_balance_loss_weight.
   z_loss: jax.Array             # [] float32, router z-loss x router_z_loss_weight.
   fallback_chunks: jax.Array    # [] int32, chunks the dropless fallback ran in (0 if it did not).
+  router_entropy: jax.Array     # [] float32, mean over tokens of the router softmax's entropy (nats).
+  # [P] int32, rows beyond the capped buffer of each receiving expert shard, summed over
+  # expert groups (sums to would_drop_rows): which receivers overflowed.
+  receiver_overflow_rows: jax.Array
+  # [devices, E] int32 with MoEConfig.record_traffic (else [0, E]): rows each device routed to
+  # each expert, devices in mesh order (expert axis fastest: P consecutive devices are one
+  # expert group).
+  routed_rows_per_device: jax.Array

@@ -2,8 +2,10 @@
 import dataclasses
 import functools
 
+import haiku as hk
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import moe_hk
@@ -26,6 +28,8 @@ BASE = dict(num_experts=8, num_experts_per_tok=2, emb_dim=16, mlp_dim=32)
     (dict(gmm_impl="megablox"), r"gmm_impl='megablox'"),
     (dict(router_score="relu"), r"router_score='relu' .*'softmax', 'sigmoid'"),
     (dict(dtype="float16"), r"dtype='float16' .*'float32', 'bfloat16'"),
+    (dict(dtype=jnp.int32), r"dtype=<class 'jax.numpy.int32'> .*'float32', 'bfloat16'"),
+    (dict(dtype="nonsense"), r"dtype='nonsense' .*'float32', 'bfloat16'"),
     (dict(dropless_fallback_num_chunks=-1), r"dropless_fallback_num_chunks=-1"),
     (dict(dropless_fallback_chunking="dynamic"),
      r"dropless_fallback_chunking='dynamic' is invalid: .*'fixed', 'adaptive'"),
@@ -47,6 +51,14 @@ def test_good_values_accepted():
     moe_hk.MoEConfig(**BASE, moe_dropless_fallback="layer", dropless_fallback_chunking=chunking)
   with pytest.raises(dataclasses.FrozenInstanceError):
     moe_hk.MoEConfig(**BASE).num_experts = 4
+
+
+@pytest.mark.parametrize("dtype,name", [(jnp.float32, "float32"), (jnp.bfloat16, "bfloat16"),
+                                        ("bfloat16", "bfloat16"), (np.dtype("float32"), "float32")])
+def test_dtype_accepts_jnp_dtypes_and_names(dtype, name):
+  config = moe_hk.MoEConfig(**BASE, dtype=dtype)
+  assert config.dtype == name and config.compute_dtype == jnp.dtype(name)
+  assert config == moe_hk.MoEConfig(**BASE, dtype=name)  # hashable, equal to the named form
 
 
 def test_make_mesh_checks_device_count_and_axis_types():
@@ -85,6 +97,22 @@ def test_mesh_and_input_errors(mesh_args, config_changes, shape, pattern):
   config = moe_hk.MoEConfig(**{**BASE, **config_changes})
   with pytest.raises(ValueError, match=pattern):
     _forward(config, moe_hk.make_mesh(**mesh_args), shape)
+
+
+@pytest.mark.parametrize("mesh,changes,pattern", [
+    (jax.sharding.Mesh(np.asarray(jax.devices()).reshape(2, 4), ("data", "model")), {},
+     r"expert_axis='expert' is not an axis of the mesh \(axes: \('data', 'model'\)\)"),
+    (None, dict(num_experts=6), r"num_experts=6 must be divisible by the size of mesh axis "
+                                r"'expert' \(4\)"),
+])
+def test_bare_layer_checks_its_mesh_before_creating_parameters(mesh, changes, pattern):
+  """Haiku init of the bare layer on a mesh that does not fit: the project's ValueError, not
+  jax's sharding errors from the parameter initializers."""
+  mesh = moe_hk.make_mesh(data=2, expert=4) if mesh is None else mesh
+  config = moe_hk.MoEConfig(**{**BASE, **changes})
+  model = hk.transform_with_state(lambda x: moe_hk.MoELayer(config, mesh, name="moe")(x))
+  with pytest.raises(ValueError, match=pattern):
+    model.init(jax.random.key(0), jnp.zeros((8, 4, 16)))
 
 
 def test_native_all_to_all_refused_on_cpu():

@@ -1,19 +1,24 @@
 """The launcher end to end: training, metrics and alerts, resume, SIGTERM, step replay, bf16,
 two processes over gloo, and clear errors for bad flags and configs."""
+import dataclasses
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import sysconfig
 import time
 
 import numpy as np
 import pytest
 
-from launch import trainer
+import moe_hk
+from launch import capacity, model, trainer
 from launch.configs import tiny
-from tests.test_metrics_tensorboard import read_scalars
+from metrics import traffic
+from tests.test_metrics_tensorboard import read_images, read_scalars
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = "launch/configs/tiny.py"
@@ -35,60 +40,125 @@ def launch(workdir, *flags, devices=8, env=None):
 
 
 @pytest.mark.slow
-def test_overflowing_run_trains_logs_alerts_and_checkpoints(tmp_path):
-  """The tiny config's buffer factor (1.0) is below what its untrained router needs."""
-  losses = trainer.train_and_evaluate(tiny_config(), str(tmp_path))
+def test_overflowing_run_trains_logs_alerts_records_and_checkpoints(tmp_path):
+  """The untrained router of the tiny config needs buffer factors of 2.1-3.3: at 2.25 some
+  steps fall back and some do not. The run writes every tag at every step, alerts where the
+  traffic overflowed, records its traffic, and the planner replaying that traffic at 2.25
+  predicts exactly the steps whose fallback ran."""
+  c = tiny_config()
+  c.moe.ragged_buffer_factor = 2.25
+  losses = trainer.train_and_evaluate(c, str(tmp_path))
   assert len(losses) == 8 and all(np.isfinite(losses))
   assert np.mean(losses[-3:]) < np.mean(losses[:3]), losses
   scalars = read_scalars(str(tmp_path))
   for tag in ("train/loss", "train/learning_rate", "train/grad_norm", "train/tokens_per_second",
-              "eval/loss", "moe/required_ragged_buffer_factor/layer_0", "moe/fallback_frequency"):
+              "eval/loss", "moe/required_ragged_buffer_factor/layer_0", "moe/fallback_frequency",
+              "moe/load_max_over_mean/layer_0", "moe/dead_experts/layer_0",
+              "moe/router_entropy/layer_0", "moe/fallback_chunks/layer_0", "moe/lb_loss",
+              "moe/z_loss", "moe/ragged_buffer_factor"):
     assert tag in scalars, tag
+  for tag in ("train/loss", "moe/fallback_chunks/layer_0", "moe/router_entropy/layer_0"):
+    assert sorted(scalars[tag]) == list(range(8)), tag  # every step, though fetched in batches
   np.testing.assert_allclose([scalars["train/loss"][s] for s in range(8)], losses, rtol=1e-6)
-  fallbacks = scalars["learning/moe_dropless_fallback_layers"]
-  assert sorted(fallbacks) == list(range(8)) and fallbacks[0] == 1.0
-  assert scalars["moe/required_ragged_buffer_factor"][0] > 1.0
+  fallbacks = [scalars["learning/moe_dropless_fallback_layers"][s] for s in range(8)]
+  required = [scalars["moe/required_ragged_buffer_factor"][s] for s in range(8)]
+  assert [f > 0 for f in fallbacks] == [r > 2.25 for r in required]
+  assert 0 < sum(fallbacks) < 8, fallbacks  # the checks below can tell steps apart
+  chunks = [scalars["moe/fallback_chunks/layer_0"][s] for s in range(8)]
+  assert [n > 0 for n in chunks] == [f > 0 for f in fallbacks]
+  assert all(v == 2.25 for v in scalars["moe/ragged_buffer_factor"].values())
+  assert 0 < scalars["moe/router_entropy/layer_0"][0] <= np.log(8) + 1e-6
+  assert scalars["moe/load_max_over_mean/layer_0"][0] >= 1.0
+  images = read_images(str(tmp_path))["moe/expert_load"]
+  # One per fetch: log_every=10 > 8 steps, so at the first checkpoint (step 1), at the eval
+  # and checkpoint after step 4, and at the end.
+  assert sorted(images) == [0, 3, 7]
   with open(tmp_path / "alerts.jsonl") as f:
     alerts = [json.loads(line) for line in f]
   assert {"fallback_ran", "frequent_fallback"} <= {a["rule"] for a in alerts}
   first = next(a for a in alerts if a["rule"] == "fallback_ran")
-  assert first["step"] == 0 and first["layers"] == [0]
-  assert first["recommended_ragged_buffer_factor"] > 1.0
+  assert first["step"] == fallbacks.index(1.0) and first["layers"] == [0]
+  assert first["recommended_ragged_buffer_factor"] > 2.25
+  # Raised from the layer's fallback event, it names where the traffic overflowed.
+  [where] = first["hotspots"]
+  assert where["layer"] == 0 and where["receivers"] and len(where["hot_experts"]) == 3
+  assert set(where["receivers"]) <= set(range(8)) and set(where["hot_experts"]) <= set(range(8))
+  assert "layer 0: expert shards" in first["message"]
   assert sorted(os.listdir(tmp_path / "checkpoints"))[-1] == "8"
+  # The planner on the recorded traffic.
+  recorded = traffic.read_traffic(str(tmp_path))
+  assert list(recorded.steps) == list(range(8))
+  [at_run] = capacity.plan(recorded, [2.25])
+  assert at_run["fallback_frequency"] == pytest.approx(np.mean([f > 0 for f in fallbacks]))
+  assert at_run["overflowing_layers_mean"] == pytest.approx(np.mean(fallbacks))
+
+
+def _text_corpus(directory) -> str:
+  """A few standard-library sources copied as text files; returns their glob."""
+  os.makedirs(directory)
+  for name in ("argparse.py", "ast.py", "dataclasses.py"):
+    shutil.copy(os.path.join(sysconfig.get_paths()["stdlib"], name), directory)
+  return os.path.join(str(directory), "*.py")
 
 
 @pytest.mark.slow
 def test_resumed_run_matches_uninterrupted_run(tmp_path):
-  straight = trainer.train_and_evaluate(tiny_config(), str(tmp_path / "straight"))
-  first = trainer.train_and_evaluate(tiny_config(), str(tmp_path / "resumed"), stop_after=3)
-  rest = trainer.train_and_evaluate(tiny_config(), str(tmp_path / "resumed"))
+  """Resuming from a checkpoint (not at a save interval) restores the train state, the grain
+  iterator of a `files` corpus and the MoE metrics' trailing window: the losses and the
+  window's figures equal the uninterrupted run's."""
+  def config():
+    c = tiny_config()
+    c.data.source, c.data.pattern = "files", pattern
+    return c
+  pattern = _text_corpus(tmp_path / "corpus")
+  straight = trainer.train_and_evaluate(config(), str(tmp_path / "straight"))
+  first = trainer.train_and_evaluate(config(), str(tmp_path / "resumed"), stop_after=3)
+  rest = trainer.train_and_evaluate(config(), str(tmp_path / "resumed"))
   assert len(first) == 3 and len(rest) == 5  # resumed from a step that is not a save interval
   np.testing.assert_allclose(first + rest, straight, rtol=1e-6)
+  a, b = (read_scalars(str(tmp_path / run)) for run in ("straight", "resumed"))
+  for tag in ("moe/fallback_frequency", "moe/recommended_ragged_buffer_factor"):
+    assert sorted(b[tag]) == list(range(8)), tag
+    np.testing.assert_allclose([b[tag][s] for s in range(8)], [a[tag][s] for s in range(8)],
+                               rtol=1e-6, err_msg=tag)
+  # The window is not trivially constant: the recommended factor moves as steps enter it.
+  assert len({round(a["moe/recommended_ragged_buffer_factor"][s], 6) for s in range(8)}) > 1
 
 
 @pytest.mark.slow
 def test_step_replay_mode_matches_layer_fallback(tmp_path):
   """Ring of experts: replaying overflowing steps dropless gives the loss curve of the
-  in-layer fallback (both are the dropless model), and the replays are counted."""
-  def ring(mode):
-    c = tiny_config(train_steps=4)
-    c.moe.use_ring_of_experts, c.moe.dropless_fallback = True, mode
+  in-layer fallback (both are the dropless model), a step is replayed exactly when the layer
+  run fell back at that step, and the capped model without a fallback ('none') differs."""
+  def ring(mode, **overrides):
+    c = tiny_config(train_steps=4, **overrides)
+    c.moe.use_ring_of_experts, c.moe.moe_dropless_fallback = True, mode
     return c
   layer = trainer.train_and_evaluate(ring("layer"), str(tmp_path / "layer"))
   replayed = trainer.train_and_evaluate(ring("step"), str(tmp_path / "step"))
+  # The 'none' run also shows `moe_metrics=False`: training scalars only, nothing of the MoE's.
+  capped = trainer.train_and_evaluate(ring("none", moe_metrics=False), str(tmp_path / "none"))
+  quiet = read_scalars(str(tmp_path / "none"))
+  np.testing.assert_allclose([quiet["train/loss"][s] for s in range(4)], capped, rtol=1e-6)
+  assert not [t for t in quiet if t.startswith(("moe/", "learning/moe"))], sorted(quiet)
+  assert not os.path.exists(tmp_path / "none" / "alerts.jsonl")
   np.testing.assert_allclose(replayed, layer, rtol=1e-5)
-  replays = read_scalars(str(tmp_path / "step"))["moe/step_replays"]
-  assert replays[0] == 1 and replays[3] >= 1
+  assert np.max(np.abs(np.subtract(capped, layer))) > 1e-3
+  fell_back = read_scalars(str(tmp_path / "layer"))["learning/moe_dropless_fallback_layers"]
+  total = read_scalars(str(tmp_path / "step"))["moe/step_replays"]  # a running count
+  per_step = np.diff([0] + [total[s] for s in range(4)])
+  np.testing.assert_array_equal(per_step, [fell_back[s] > 0 for s in range(4)])
+  assert per_step.sum() >= 1
 
 
 @pytest.mark.slow
 def test_bfloat16_compute_tracks_float32(tmp_path):
-  """bf16 matmuls (params float32) follow the float32 loss curve within 1% at every step
+  """bf16 matmuls (params float32) follow the float32 loss curve within 2e-3 at every step
   (measured: within 4e-4 on both Pythons), and really compute in bf16 (the curves differ)."""
   f32 = trainer.train_and_evaluate(tiny_config(train_steps=6), str(tmp_path / "f32"))
   bf16 = trainer.train_and_evaluate(tiny_config(train_steps=6, dtype="bfloat16"),
                                     str(tmp_path / "bf16"))
-  np.testing.assert_allclose(bf16, f32, rtol=1e-2)
+  np.testing.assert_allclose(bf16, f32, rtol=2e-3)
   assert np.max(np.abs(np.subtract(bf16, f32))) > 0
 
 
@@ -108,9 +178,13 @@ def test_sigterm_checkpoints_the_current_step_and_the_run_resumes(tmp_path):
   assert 1 < saved < 1000
   scalars = read_scalars(str(tmp_path))
   assert sorted(scalars["train/loss"]) == list(range(saved))  # metrics flushed up to the stop
-  resumed = trainer.train_and_evaluate(tiny_config(train_steps=saved + 2, checkpoint_every=500),
-                                       str(tmp_path))
-  assert len(resumed) == 2
+  # The resumed steps, and the steps before the stop, equal an uninterrupted run's.
+  config = tiny_config(train_steps=1000, checkpoint_every=500)
+  resumed = trainer.train_and_evaluate(config, str(tmp_path), stop_after=saved + 2)
+  straight = trainer.train_and_evaluate(config, str(tmp_path / "straight"), stop_after=saved + 2)
+  np.testing.assert_allclose(resumed, straight[saved:], rtol=1e-6)
+  np.testing.assert_allclose([scalars["train/loss"][s] for s in range(saved)],
+                             straight[:saved], rtol=1e-6)
 
 
 def _free_port() -> int:
@@ -144,8 +218,12 @@ def test_two_processes_over_gloo_match_one_process(tmp_path):
     ("--config.attention_block=5", "config.attention_block=5 must be 0 (whole sequence) or a "
                                    "divisor of config.data.seq_len=32"),
     ("--config.num_layers=3", "config.moe_every=2 must divide config.num_layers=3"),
-    ("--config.moe.dropless_fallback=step", "'step' replays the train step when a "
-                                            "ring-of-experts layer overflows"),
+    ("--config.moe.moe_dropless_fallback=step", "'step' replays the train step when a "
+                                                "ring-of-experts layer overflows"),
+    ("--config.moe.dropless_fallback=layer", "--config.moe.dropless_fallback: no such config "
+                                             "key (closest: config.moe.moe_dropless_fallback"),
+    ("--config.moe.expert_axis=model", "config.moe.expert_axis='model' must be one of the "
+                                       "mesh axes data, fsdp, expert"),
     ("--num_processes=2", "need --coordinator_address, --num_processes and --process_id"),
 ])
 def test_bad_config_gives_a_short_clear_error(tmp_path, flag, message):
@@ -154,3 +232,55 @@ def test_bad_config_gives_a_short_clear_error(tmp_path, flag, message):
   assert proc.returncode != 0
   assert message in stderr
   assert "Traceback" not in stderr
+
+
+def test_config_moe_keys_are_the_layer_fields():
+  """One vocabulary: `config.moe` holds every settable `MoEConfig` field under its own name
+  (plus the launcher's shared_expert), and the launcher builds the layer config from them."""
+  c = tiny_config()
+  fields = {f.name for f in dataclasses.fields(moe_hk.MoEConfig)}
+  assert not fields & set(model.LAUNCHER_MOE_KEYS)
+  assert set(c.moe) == fields - {"emb_dim", "dtype", "step_replay"} | set(model.LAUNCHER_MOE_KEYS)
+  c.moe.gmm_impl, c.moe.gmm_block_rows, c.moe.a2a_impl = "ragged_dot", 16, "emulated"
+  built = model.moe_config(c)
+  assert (built.gmm_impl, built.gmm_block_rows, built.a2a_impl) == ("ragged_dot", 16, "emulated")
+  assert (built.emb_dim, built.dtype) == (c.emb_dim, c.dtype)
+  c.moe_metrics = False
+  off = model.moe_config(c)
+  assert not off.log_required_ragged_buffer_factor and not off.emit_fallback_events
+
+
+def _autopilot_config(auto: bool, train_steps: int = 8):
+  """The tiny config from factor 3.0 (its worst case is 4): the untrained router needs
+  2.1-2.6, so the autopilot lowers the factor after its 4-step window; one candidate program
+  at most (a compile costs more than this run), compiled while the step waits for it."""
+  c = tiny_config(train_steps=train_steps, checkpoint_every=500)
+  c.moe.ragged_buffer_factor = 3.0
+  c.moe.autotune_ragged_buffer_factor = auto
+  c.moe.update(target_fallback_frequency=0.3, autotune_window=4, autotune_max_programs=1,
+               autotune_wait=True)
+  return c
+
+
+@pytest.mark.slow
+def test_autopilot_lowers_the_factor_drops_nothing_and_resumes_with_it(tmp_path):
+  """Switching factors changes the program, never the math: the loss curve equals the
+  fixed-factor run's, nothing is dropped, the change is alerted, and a run resumed after the
+  change continues with the lowered factor from its checkpoint."""
+  fixed = trainer.train_and_evaluate(_autopilot_config(False), str(tmp_path / "fixed"))
+  auto = str(tmp_path / "auto")
+  first = trainer.train_and_evaluate(_autopilot_config(True), auto, stop_after=5)
+  rest = trainer.train_and_evaluate(_autopilot_config(True), auto)
+  np.testing.assert_allclose(first + rest, fixed, rtol=1e-5)
+  scalars = read_scalars(auto)
+  factors = [scalars["moe/ragged_buffer_factor"][s] for s in range(8)]
+  assert factors[:4] == [3.0] * 4 and factors[4] < 3.0, factors
+  assert factors[5:] == [factors[4]] * 3, factors  # the resumed run kept the checkpoint's
+  assert all(scalars["moe/dropped_rows_fraction"][s] == 0 for s in range(8))
+  with open(tmp_path / "auto" / "alerts.jsonl") as f:
+    changes = [a for a in map(json.loads, f) if a["rule"] == "buffer_factor_changed"]
+  assert [(c["step"], c["details"]["old_factor"], c["details"]["new_factor"])
+          for c in changes] == [(4, 3.0, factors[4])]
+  assert changes[0]["details"]["reason"] == "lower"
+
+

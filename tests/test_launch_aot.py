@@ -39,10 +39,10 @@ def test_train_step_memory_per_variant(topology):
 def test_variant_configs_differ_only_in_the_moe_layers():
   base = tiny.get_config()
   worst = aot.variant_config(base, "worst_case")
-  assert worst.moe.ragged_buffer_factor == -1 and worst.moe.dropless_fallback == "none"
+  assert worst.moe.ragged_buffer_factor == -1 and worst.moe.moe_dropless_fallback == "none"
   adaptive = aot.variant_config(base, "fallback_adaptive")
-  assert adaptive.moe.dropless_fallback == "layer"
+  assert adaptive.moe.moe_dropless_fallback == "layer"
   assert adaptive.moe.dropless_fallback_chunking == "adaptive"
   assert adaptive.moe.ragged_buffer_factor == base.moe.ragged_buffer_factor
-  assert base.moe.dropless_fallback == "layer"  # the config passed in is left alone
+  assert base.moe.moe_dropless_fallback == "layer"  # the config passed in is left alone
   assert adaptive.emb_dim == base.emb_dim and adaptive.mesh == base.mesh

@@ -37,23 +37,24 @@ def _setup(shards, k, mult, factor, **overrides):
 RING_GRID = [(2, 2, 2, 0.5), (4, 1, 1, 1.0), (8, 2, 1, 2.0), (8, 4, 2, -1), (4, 2, 4, 0.5)]
 
 
-@pytest.mark.parametrize("ring,shards,k,mult,factor",
-                         [(False, *g) for g in GRID] + [(True, *g) for g in RING_GRID])
-def test_layer_matches_dense_reference(ring, shards, k, mult, factor):
-  mesh, config, params, x = _setup(shards, k, mult, factor, use_ring_of_experts=ring)
+def _assert_layer_matches_reference(shards, k, mult, factor, **overrides):
+  """Checks the layer's outputs, gradients (x and every parameter) and stats against the dense
+  reference with the §3 (or ring) drop order; returns the rows the reference drops and the
+  layer's gradients."""
+  mesh, config, params, x = _setup(shards, k, mult, factor, **overrides)
   num_experts = config.num_experts
   tokens = BATCH // NUM_DEVICES * SEQ
   rows = reference.reference_buffer_rows(tokens, k, shards, num_experts // shards, factor)
   worst = reference.reference_buffer_rows(tokens, k, shards, num_experts // shards, -1)
-  ids, _, logits = reference.reference_routing(params.router_w, x, k, "softmax")
-  mask_fn = reference.ring_keep_mask if ring else reference.keep_mask
+  ids, _, logits = reference.reference_routing(params.router_w, x, k, config.router_score)
+  mask_fn = reference.ring_keep_mask if config.use_ring_of_experts else reference.keep_mask
   keep = mask_fn(ids, num_devices=NUM_DEVICES, shards=shards, num_experts=num_experts, rows=rows)
   cot = jax.random.normal(jax.random.key(7), x.shape)
 
   layer = functools.partial(moe_hk.moe_forward, config=config, mesh=mesh)
   y, stats, grads = jax.jit(functools.partial(outputs_and_grads, layer))(params, x, cot)
-  y_ref, _, grads_ref = outputs_and_grads(dense_reference(k, keep=jnp.asarray(keep)), params, x,
-                                          cot)
+  y_ref, _, grads_ref = outputs_and_grads(
+      dense_reference(k, config.router_score, keep=jnp.asarray(keep)), params, x, cot)
   assert_trees_close(y, y_ref, what="y")
   assert_trees_close(grads, grads_ref, what="grad")
 
@@ -74,6 +75,40 @@ def test_layer_matches_dense_reference(ring, shards, k, mult, factor):
   np.testing.assert_allclose(stats.lb_loss, lb, rtol=1e-5)
   z = np.mean(np.square(jax.nn.logsumexp(np.asarray(logits, np.float64), axis=-1))) * 1e-3
   np.testing.assert_allclose(stats.z_loss, z, rtol=1e-5)
+  return dropped, grads
+
+
+@pytest.mark.parametrize("ring,shards,k,mult,factor",
+                         [(False, *g) for g in GRID] + [(True, *g) for g in RING_GRID])
+def test_layer_matches_dense_reference(ring, shards, k, mult, factor):
+  _assert_layer_matches_reference(shards, k, mult, factor, use_ring_of_experts=ring)
+
+
+# (ring, P, K, experts per shard multiple, factor): Llama4's top-1, capped (drops rows) on both
+# paths and the worst case.
+SIGMOID_CASES = [(False, 4, 1, 2, 0.5), (False, 8, 1, 1, -1), (True, 4, 1, 2, 0.5)]
+
+
+@pytest.mark.parametrize("ring,shards,k,mult,factor", SIGMOID_CASES)
+def test_sigmoid_router_matches_dense_reference(ring, shards, k, mult, factor):
+  """float32, outputs and all gradients: with the sigmoid score the router gets a gradient
+  from y even at top-1 (softmax over one logit is constant)."""
+  dropped, (param_grads, _) = _assert_layer_matches_reference(
+      shards, k, mult, factor, router_score="sigmoid", use_ring_of_experts=ring)
+  assert (dropped > 0) == (factor != -1)
+  assert np.linalg.norm(param_grads.router_w) > 0
+
+
+def test_ragged_dot_backend_matches_dense_reference():
+  """gmm_impl='ragged_dot' on the CPU mesh (XLA:CPU runs it as a masked dense product), with a
+  capped buffer that drops rows."""
+  mesh, config, params, x = _setup(4, 2, 2, 0.5, gmm_impl="ragged_dot")
+  jaxpr = lambda c: str(jax.make_jaxpr(functools.partial(moe_hk.moe_forward, config=c,
+                                                         mesh=mesh))(params, x))
+  assert "ragged_dot" in jaxpr(config)
+  assert "ragged_dot" not in jaxpr(config.replace(gmm_impl="blocked"))  # the check can fail
+  dropped, _ = _assert_layer_matches_reference(4, 2, 2, 0.5, gmm_impl="ragged_dot")
+  assert dropped > 0
 
 
 def test_capped_differs_from_dropless_when_rows_drop():

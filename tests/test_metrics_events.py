@@ -9,6 +9,7 @@ import pytest
 
 import metrics
 import moe_hk
+from moe_hk import events as events_lib
 from tests.moe_inputs import skewed_inputs
 
 MESH_SHAPE = dict(data=2, expert=4)
@@ -21,9 +22,9 @@ LAYER_CONFIGS = [dict(ragged_buffer_factor=0.5, moe_dropless_fallback="layer"),
 @pytest.fixture
 def events():
   received = []
-  metrics.add_sink(received.append)
+  events_lib.add_sink(received.append)
   yield received
-  metrics.remove_sink(received.append)
+  events_lib.remove_sink(received.append)
 
 
 def _aggregate(events, step):
@@ -73,19 +74,38 @@ def test_unrolled_layers_under_grad_with_remat(events):
   assert [r.fallback for r in step_metrics.layers.values()] == [True, False, False]
   assert step_metrics.layers[0].would_drop_rows > 0 and step_metrics.layers[1].dropped_rows > 0
   assert step_metrics.fallback_layers == 1
-  assert {e.name for e in events if e.layer == 0} == {metrics.emit.FALLBACK_EVENT}
-  assert {e.name for e in events if e.layer == 1} == {metrics.emit.CAPPED_EVENT}
+  assert {e.name for e in events if e.layer == 0} == {events_lib.FALLBACK_EVENT}
+  assert {e.name for e in events if e.layer == 1} == {events_lib.CAPPED_EVENT}
 
 
+# The stacked layers' routing (x shared): layers 0 and 2 send every token to the two experts of
+# one expert shard (required factor about 4), layer 1 is not skewed (about 1.7). A buffer of
+# twice the balanced rows then overflows in layers 0 and 2 only.
+STACK_FACTOR = 2.0
+STACK_ROUTING = [dict(skew=8.0, hot=[0, 1]), dict(skew=0.0), dict(skew=8.0, hot=[2, 3])]
+STACK_OVERFLOWS = [True, False, True]
+
+
+def _stacked_params(config):
+  """The three layers' `skewed_inputs` parameters in `hk.layer_stack`'s layout (apply fails on
+  a missing name), and x."""
+  layers = [skewed_inputs(config, 16, 16, seed=2, **routing) for routing in STACK_ROUTING]
+  p = moe_hk.MoEParams(*(jnp.stack(leaves) for leaves in zip(*(p for p, _ in layers))))
+  scope = "__layer_stack_with_per_layer/moe"
+  params = {scope: dict(wi_0=p.wi_0, wi_1=p.wi_1, wo=p.wo), f"{scope}/router": dict(w=p.router_w)}
+  return params, layers[0][1]
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("mode,remat", [("layer", True), ("layer", False), ("none", True)])
 def test_stacked_layers_return_stats_as_outputs(events, mode, remat):
-  """hk.layer_stack under grad. (Capped-only layers in a stack without remat are left out: there
-  JAX moves the layer's forward into the backward scan and drops its callbacks,
-  jax-ml/jax#28738; the README says so.)"""
+  """hk.layer_stack under grad, layers 0 and 2 overflowing. (Capped-only layers in a stack
+  without remat are left out: there JAX moves the layer's forward into the backward scan and
+  drops its callbacks, jax-ml/jax#28738; the README says so.)"""
   mesh = moe_hk.make_mesh(**MESH_SHAPE)
-  config = moe_hk.MoEConfig(**BASE, ragged_buffer_factor=0.5, moe_dropless_fallback=mode)
-  _, x = skewed_inputs(config, 16, 16, skew=3.0, seed=2)
-  num_layers = 3
+  config = moe_hk.MoEConfig(**BASE, ragged_buffer_factor=STACK_FACTOR,
+                            moe_dropless_fallback=mode)
+  num_layers = len(STACK_ROUTING)
 
   def forward(x, step):
     def block(x_, layer_index):
@@ -96,19 +116,31 @@ def test_stacked_layers_return_stats_as_outputs(events, mode, remat):
         hk.remat(block) if remat else block)
     return stack(x, jnp.arange(num_layers))
   model = hk.transform(forward)
-  params = jax.jit(model.init)(jax.random.key(0), x, 0)
+  params, x = _stacked_params(config)
 
   def loss(p, xx, step):
     y, stats = model.apply(p, None, xx, step)
     return jnp.mean(y ** 2), stats
   _, stats = jax.jit(jax.grad(loss, has_aux=True))(params, x, 9)
+  fell_back = [o and mode == "layer" for o in STACK_OVERFLOWS]
+  # The returned stats: which layers overflowed, fell back, dropped.
+  assert (np.asarray(stats.would_drop_rows) > 0).tolist() == STACK_OVERFLOWS
+  assert (np.asarray(stats.required_factor) > STACK_FACTOR).tolist() == STACK_OVERFLOWS
+  assert np.asarray(stats.fallback).tolist() == [int(f) for f in fell_back]
+  assert (np.asarray(stats.dropped_rows) > 0).tolist() == [
+      o and not f for o, f in zip(STACK_OVERFLOWS, fell_back)]
+  # The callback route: one record per layer, equal to the returned stats.
   step_metrics = _aggregate(events, 9)
   assert sorted(step_metrics.layers) == list(range(num_layers))
   for i in range(num_layers):
     _assert_record_matches(step_metrics.layers[i], jax.tree.map(lambda a: a[i], stats))
-  assert step_metrics.fallback_layers == int(jnp.sum(stats.fallback))
+  assert [r.fallback for r in step_metrics.layers.values()] == fell_back
+  assert step_metrics.fallback_layers == sum(fell_back)
+  for i, f in enumerate(fell_back):
+    name = events_lib.FALLBACK_EVENT if f else events_lib.CAPPED_EVENT
+    assert {e.name for e in events if e.layer == i} == {name}, i
   if mode == "none":
-    assert step_metrics.fallback_layers == 0 and step_metrics.dropped_rows_fraction > 0
+    assert step_metrics.dropped_rows_fraction > 0
 
 
 def test_no_events_without_step_or_with_logging_off(events):

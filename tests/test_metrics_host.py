@@ -1,20 +1,27 @@
 """Host-side aggregation and alert rules, driven by synthetic layer events."""
 import json
+import random
+import sys
 import threading
 
 import numpy as np
 import pytest
 
 from metrics import Aggregator, AlertConfig, AlertManager
-from metrics.emit import CAPPED_EVENT, FALLBACK_EVENT, LayerEvent
 from moe_hk import MoEStats
+from moe_hk.events import CAPPED_EVENT, FALLBACK_EVENT, LayerEvent
 
 
 def _event(step, layer, shard=0, attempt=0, fallback=0, factor=1.0, would_drop=0, dropped=0,
            tokens=(4, 4, 4, 4)):
-  stats = MoEStats(np.int32(fallback), np.float32(factor), np.int32(would_drop),
-                   np.int32(dropped), np.asarray(tokens, np.int32), np.float32(0.01),
-                   np.float32(0.001), np.int32(0))
+  stats = MoEStats(
+      fallback=np.int32(fallback), required_factor=np.float32(factor),
+      would_drop_rows=np.int32(would_drop), dropped_rows=np.int32(dropped),
+      tokens_per_expert=np.asarray(tokens, np.int32), lb_loss=np.float32(0.01),
+      z_loss=np.float32(0.001), fallback_chunks=np.int32(2 * fallback),
+      router_entropy=np.float32(1.0),
+      receiver_overflow_rows=np.asarray([would_drop, 0], np.int32),  # all on expert shard 0
+      routed_rows_per_device=np.zeros((0, len(tokens)), np.int32))   # traffic not recorded
   return LayerEvent(FALLBACK_EVENT if fallback else CAPPED_EVENT, step, layer, shard, attempt,
                     stats)
 
@@ -67,20 +74,97 @@ def test_late_events_are_ignored_and_open_steps_bounded():
   assert agg.finish_step(25) is None
 
 
-def test_thread_safe_under_concurrent_callbacks():
-  agg = Aggregator()
-  def send(shard):
-    for step in range(50):
-      agg(_event(step, shard % 3, shard))
-  threads = [threading.Thread(target=send, args=(s,)) for s in range(8)]
+SHARDS, LAYERS, STEPS = 8, 3, 300
+
+
+def _reports(shard, step, layer):
+  """Which shards report a (step, layer): a different subset for each."""
+  return (shard + step + layer) % 3 != 0
+
+
+def _replayed(step, layer):
+  """(step, layer)s with a step-mode replay; only even shards report the replay."""
+  return (step + layer) % 4 == 0
+
+
+def _shard_events(shard, steps):
+  """One shard's events for `steps`: two passes (remat) of each first attempt it reports, and
+  the replay where there is one."""
+  events = []
+  for step in steps:
+    for layer in range(LAYERS):
+      if not _reports(shard, step, layer):
+        continue
+      events += 2 * [_event(step, layer, shard, factor=step + layer / 4, dropped=layer + 1,
+                            would_drop=layer + 1)]
+      if _replayed(step, layer) and shard % 2 == 0:
+        events.append(_event(step, layer, shard, attempt=1, fallback=1, factor=step + layer / 4,
+                             would_drop=layer + 1))
+  return events
+
+
+def _shuffled(events, seed):
+  """`events` roughly in step order (so all threads contend for the same few steps), in a
+  random order within a step (a replay then arrives before or after its first attempt). Steps
+  `STEPS` apart are mixed together."""
+  rng = random.Random(seed)
+  return sorted(events, key=lambda e: (e.step % STEPS, rng.random()))
+
+
+def _send_concurrently(agg, per_shard):
+  """Every shard's events from its own thread, all released at once by a barrier."""
+  barrier = threading.Barrier(len(per_shard))
+  def send(events):
+    barrier.wait()
+    for e in events:
+      agg(e)
+  threads = [threading.Thread(target=send, args=(events,)) for events in per_shard]
   for t in threads:
     t.start()
   for t in threads:
     t.join()
-  for step in range(50):
+
+
+def _assert_exact_records(agg, steps):
+  """Finishes `steps` and checks one record per (step, layer) as the dedup rule defines it."""
+  for step in steps:
     m = agg.finish_step(step)
-    assert sorted(m.layers) == [0, 1, 2]
-    assert m.layers[0].shards == frozenset({0, 3, 6})
+    assert sorted(m.layers) == list(range(LAYERS)), step
+    for layer, record in m.layers.items():
+      replay = _replayed(step, layer)
+      reporters = {s for s in range(SHARDS) if _reports(s, step, layer)}
+      # A replay's record replaces the first attempt's, and only its own reporters count.
+      expected = {s for s in reporters if s % 2 == 0} if replay else reporters
+      assert record.shards == frozenset(expected), (step, layer)
+      assert (record.attempt, record.fallback) == (int(replay), replay), (step, layer)
+      assert record.dropped_rows == (0 if replay else layer + 1), (step, layer)
+      assert record.required_factor == step + layer / 4, (step, layer)
+    replays = sum(_replayed(step, layer) for layer in range(LAYERS))
+    assert m.fallback_layers == replays and m.replayed == (replays > 0)
+
+
+def test_thread_safe_under_concurrent_callbacks():
+  """8 shard threads start together and switch every microsecond, so their calls really
+  interleave (over a thousand events each, twice); the outcome must be exactly the serial one."""
+  steps = range(STEPS)
+  agg = Aggregator(max_open_steps=STEPS)
+  interval = sys.getswitchinterval()
+  sys.setswitchinterval(1e-6)
+  try:
+    first = [_shuffled(_shard_events(s, steps), s) for s in range(SHARDS)]
+    _send_concurrently(agg, first)
+    _assert_exact_records(agg, steps)
+    # Every event of the finished steps again, interleaved with the next steps' events: each
+    # late one is counted, none reopens its step, and the new steps come out exact.
+    later = range(STEPS, 2 * STEPS)
+    _send_concurrently(agg, [_shuffled(old + _shard_events(s, later), SHARDS + s)
+                             for s, old in enumerate(first)])
+  finally:
+    sys.setswitchinterval(interval)
+  assert agg.late_events == sum(map(len, first))
+  assert all(agg.finish_step(step) is None for step in steps)
+  _assert_exact_records(agg, later)
+  assert agg.evicted_steps == 0
 
 
 class _Steps:
@@ -119,8 +203,12 @@ def test_fallback_alert_is_rate_limited_and_written(manager):
   assert fired == [0, 5, 10]
   lines = [json.loads(line) for line in path.read_text().splitlines()]
   first = lines[0]
-  assert set(first) == {"time", "step", "rule", "layers", "since", "frequency",
-                        "required_factor", "recommended_ragged_buffer_factor", "message"}
+  assert set(first) == {"time", "step", "rule", "layers", "hotspots", "since", "frequency",
+                        "required_factor", "recommended_ragged_buffer_factor", "message",
+                        "details"}
+  # Layer 0's rows beyond the buffer all went to expert shard 0; every expert got 4 rows.
+  assert first["hotspots"] == [{"layer": 0, "receivers": [0], "hot_experts": [0, 1, 2]}]
+  assert first["details"] is None  # only a factor change carries details
   assert first["rule"] == "fallback_ran" and first["layers"] == [0] and first["step"] == 0
   later = [a for a in received if a.rule == "fallback_ran"][-1]
   assert later.since == 0 and later.step == 10

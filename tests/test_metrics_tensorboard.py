@@ -33,61 +33,136 @@ def read_scalars(logdir):
           if acc.SummaryMetadata(tag).plugin_data.plugin_name == "scalars"}
 
 
+def read_images(logdir):
+  """tag -> {step: [H, W, C] uint8} for the image summaries in `logdir`."""
+  acc = EventAccumulator(logdir, size_guidance={"tensors": 0})
+  acc.Reload()
+  images = {}
+  for tag in acc.Tags()["tensors"]:
+    if acc.SummaryMetadata(tag).plugin_data.plugin_name == "images":
+      images[tag] = {e.step: tf_image(tensor_util.make_ndarray(e.tensor_proto)[2])
+                     for e in acc.Tensors(tag)}
+  return images
+
+
+def tf_image(png: bytes) -> np.ndarray:
+  import tensorflow as tf  # the writers depend on it already
+  return tf.io.decode_png(png).numpy()
+
+
+STEPS = 3
+
+
 @pytest.fixture(scope="module")
 def trained_logdir(tmp_path_factory):
-  """Three steps of a 3-layer model (fallback, drops, worst case) with MoEMetrics on."""
+  """Three steps of a 3-layer model (fallback, drops, worst case) with MoEMetrics on, a
+  different batch every step (so values written under the wrong step would not match)."""
   workdir = str(tmp_path_factory.mktemp("run"))
   mesh = moe_hk.make_mesh(**MESH_SHAPE)
-  _, x = skewed_inputs(moe_hk.MoEConfig(**BASE), 16, 16, skew=3.0, seed=1)
+  batches = [skewed_inputs(moe_hk.MoEConfig(**BASE), 16, 16, skew=3.0, seed=1 + step)[1]
+             for step in range(STEPS)]
   model = _unrolled_model(mesh)
-  params, state = jax.jit(model.init)(jax.random.key(0), x, 0)
+  params, state = jax.jit(model.init)(jax.random.key(0), batches[0], 0)
   step_fn = jax.jit(lambda p, s, xx, step: model.apply(p, s, None, xx, step))
   alerts, returned, reported = [], [], []
   with metrics.MoEMetrics(workdir, worst_case_factor=metrics.worst_case_factor(8, 2, 4),
                           alert_callback=alerts.append, window=2,
                           hparams={"ragged_buffer_factor": 0.5},
                           flush_on_sigterm=False) as moe_metrics:
-    for step in range(3):
-      _, new_state = step_fn(params, state, x * (1 + step), step)
+    for step in range(STEPS):
+      _, new_state = step_fn(params, state, batches[step], step)
       returned.append(new_state)
       reported.append(moe_metrics.end_step(step, replays=0, extra_scalars={"train/loss": 1.0}))
+    # The image of the interval: the sum of the returned rows per expert.
+    moe_metrics.writer.write_expert_load(STEPS - 1, np.stack([
+        sum(np.asarray(s[f"moe_{i}"]["stats"].tokens_per_expert) for s in returned)
+        for i in range(3)]))
   return workdir, returned, reported, alerts
+
+
+def _layer_stats(state):
+  return [state[f"moe_{i}"]["stats"] for i in range(3)]
 
 
 def test_event_files_hold_the_tags_with_the_returned_values(trained_logdir):
   workdir, returned, reported, _ = trained_logdir
   scalars = read_scalars(workdir)
+  per_layer = [writer_lib.REQUIRED_FACTOR_TAG, writer_lib.LOAD_MAX_OVER_MEAN_TAG,
+               writer_lib.DEAD_EXPERTS_TAG, writer_lib.ROUTER_ENTROPY_TAG,
+               writer_lib.FALLBACK_CHUNKS_TAG]
   for tag in [writer_lib.FALLBACK_LAYERS_TAG, writer_lib.FREQUENCY_TAG,
               writer_lib.REQUIRED_FACTOR_TAG, writer_lib.DROPPED_FRACTION_TAG,
               writer_lib.RECOMMENDED_FACTOR_TAG, writer_lib.STEP_REPLAYS_TAG,
-              *(f"{writer_lib.REQUIRED_FACTOR_TAG}/layer_{i}" for i in range(3)), "train/loss"]:
-    assert sorted(scalars[tag]) == [0, 1, 2], tag
+              writer_lib.LB_LOSS_TAG, writer_lib.Z_LOSS_TAG,
+              *(f"{t}/layer_{i}" for t in per_layer for i in range(3)), "train/loss"]:
+    assert sorted(scalars[tag]) == list(range(STEPS)), tag
   for step, state in enumerate(returned):
-    stats = [state[f"moe_{i}"]["stats"] for i in range(3)]
+    stats = _layer_stats(state)
     assert scalars[writer_lib.FALLBACK_LAYERS_TAG][step] == sum(int(s.fallback) for s in stats)
     for i, s in enumerate(stats):
-      np.testing.assert_allclose(
-          scalars[f"{writer_lib.REQUIRED_FACTOR_TAG}/layer_{i}"][step], s.required_factor,
-          rtol=1e-6)
+      tpe = np.asarray(s.tokens_per_expert)
+      expected = {writer_lib.REQUIRED_FACTOR_TAG: s.required_factor,
+                  writer_lib.LOAD_MAX_OVER_MEAN_TAG: tpe.max() / tpe.mean(),
+                  writer_lib.DEAD_EXPERTS_TAG: np.sum(tpe == 0),
+                  writer_lib.ROUTER_ENTROPY_TAG: s.router_entropy,
+                  writer_lib.FALLBACK_CHUNKS_TAG: s.fallback_chunks}
+      for tag, value in expected.items():
+        np.testing.assert_allclose(scalars[f"{tag}/layer_{i}"][step], value, rtol=1e-6,
+                                   err_msg=f"{tag}/layer_{i} at step {step}")
     np.testing.assert_allclose(scalars[writer_lib.REQUIRED_FACTOR_TAG][step],
                                max(float(s.required_factor) for s in stats), rtol=1e-6)
     routed = sum(int(s.tokens_per_expert.sum()) for s in stats)
     np.testing.assert_allclose(scalars[writer_lib.DROPPED_FRACTION_TAG][step],
                                sum(int(s.dropped_rows) for s in stats) / routed, rtol=1e-6)
+    for tag, field in ((writer_lib.LB_LOSS_TAG, "lb_loss"), (writer_lib.Z_LOSS_TAG, "z_loss")):
+      np.testing.assert_allclose(scalars[tag][step],
+                                 sum(float(getattr(s, field)) for s in stats), rtol=1e-6)
+  # Each step routed its own batch: the values differ from step to step.
+  layer_0 = [scalars[f"{writer_lib.REQUIRED_FACTOR_TAG}/layer_0"][s] for s in range(STEPS)]
+  assert len(set(layer_0)) == STEPS, layer_0
+  assert scalars[writer_lib.FALLBACK_CHUNKS_TAG + "/layer_0"][0] > 0  # layer 0 fell back
+  assert scalars[writer_lib.FALLBACK_CHUNKS_TAG + "/layer_1"][0] == 0  # layer 1 dropped
   assert scalars[writer_lib.FREQUENCY_TAG][2] == 1.0  # layer 0 falls back every step
   acc = EventAccumulator(workdir, size_guidance={"tensors": 0})
   acc.Reload()
   assert any(t.startswith("_hparams_") for t in acc.Tags()["tensors"])
+
+
+def test_histograms_hold_the_rows_per_expert(trained_logdir):
+  """Each step's histogram of rows per expert: its bucket counts are the returned
+  `tokens_per_expert` binned over [min, max] (TensorBoard's bucketing), step by step."""
+  workdir, returned, _, _ = trained_logdir
+  acc = EventAccumulator(workdir, size_guidance={"tensors": 0})
+  acc.Reload()
   for i in range(3):
-    stats = returned[-1][f"moe_{i}"]["stats"]
     tag = f"{writer_lib.TOKENS_PER_EXPERT_TAG}/layer_{i}"
     assert acc.SummaryMetadata(tag).plugin_data.plugin_name == "histograms"
-    buckets = tensor_util.make_ndarray(acc.Tensors(tag)[-1].tensor_proto)  # [n, (lo, hi, count)]
-    assert buckets[:, 2].sum() == stats.tokens_per_expert.size  # one entry per expert
+    events = {e.step: tensor_util.make_ndarray(e.tensor_proto) for e in acc.Tensors(tag)}
+    assert sorted(events) == list(range(STEPS))
+    for step, state in enumerate(returned):
+      tpe = np.asarray(_layer_stats(state)[i].tokens_per_expert, np.float64)
+      buckets = events[step]  # [n, (left edge, right edge, count)]
+      assert buckets[0, 0] == tpe.min() and buckets[-1, 1] == tpe.max()
+      edges = np.append(buckets[:, 0], buckets[-1, 1])
+      np.testing.assert_array_equal(buckets[:, 2], np.histogram(tpe, bins=edges)[0])
+
+
+def test_expert_load_image(trained_logdir):
+  """`moe/expert_load`: a layer-by-expert grid whose grey levels are rows over the fair share
+  (halved, clipped); read back from the event file."""
+  workdir, returned, _, _ = trained_logdir
+  image = read_images(workdir)[writer_lib.EXPERT_LOAD_TAG][STEPS - 1]
+  cell = writer_lib.EXPERT_LOAD_CELL_PIXELS
+  assert image.shape == (3 * cell, 8 * cell, 1)
+  load = np.stack([sum(np.asarray(s[f"moe_{i}"]["stats"].tokens_per_expert) for s in returned)
+                   for i in range(3)]).astype(np.float64)
+  expected = np.clip(load / load.mean(axis=1, keepdims=True) / 2, 0, 1)
+  np.testing.assert_allclose(image[::cell, ::cell, 0] / 255, expected, atol=1 / 255 + 1e-9)
+  assert len(np.unique(image)) > 2  # not a constant or binary picture
 
 
 def test_alerts_from_a_real_run(trained_logdir):
-  workdir, _, reported, alerts = trained_logdir
+  workdir, returned, reported, alerts = trained_logdir
   rules = {a.rule for a in alerts}
   assert {"fallback_ran", "rows_dropped"} <= rules
   with open(os.path.join(workdir, "alerts.jsonl")) as f:
@@ -96,6 +171,14 @@ def test_alerts_from_a_real_run(trained_logdir):
   fallback = next(a for a in alerts if a.rule == "fallback_ran")
   assert fallback.layers == [0] and fallback.step == 0
   assert fallback.recommended_ragged_buffer_factor >= reported[0].required_factor
+  # Where: the receiving expert shards that overflowed and the three hottest experts.
+  stats = _layer_stats(returned[0])[0]
+  receivers = np.flatnonzero(stats.receiver_overflow_rows).tolist()
+  hot = np.argsort(-np.asarray(stats.tokens_per_expert), kind="stable")[:3].tolist()
+  assert receivers and fallback.hotspots == [{"layer": 0, "receivers": receivers,
+                                              "hot_experts": hot}]
+  assert f"expert shards {receivers} overflowed, hottest experts {hot}" in fallback.message
+  assert lines[alerts.index(fallback)]["hotspots"] == fallback.hotspots
 
 
 def _free_port():
@@ -144,7 +227,8 @@ _SIGTERM_SCRIPT = """
 import sys, time
 from metrics.writer import MoEMetricsWriter
 writer = MoEMetricsWriter(sys.argv[1])
-writer.flush_on_sigterm()
+if sys.argv[2] == "handler":
+  writer.flush_on_sigterm()
 for step in range(5):
   writer.write_scalars(step, {"moe/fallback_frequency": step / 10})
 print("ready", flush=True)
@@ -152,12 +236,18 @@ time.sleep(120)
 """
 
 
-def test_reported_metrics_survive_sigterm(tmp_path):
-  proc = subprocess.Popen([sys.executable, "-c", _SIGTERM_SCRIPT, str(tmp_path)], cwd=ROOT,
-                          stdout=subprocess.PIPE, text=True,
-                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
+@pytest.mark.parametrize("handler", [True, False])
+def test_reported_metrics_survive_sigterm(tmp_path, handler):
+  """With the handler every scalar written before SIGTERM is in the event file; the control
+  without it loses them (the writer buffers), so the handler is what saves them."""
+  proc = subprocess.Popen(
+      [sys.executable, "-c", _SIGTERM_SCRIPT, str(tmp_path), "handler" if handler else "none"],
+      cwd=ROOT, stdout=subprocess.PIPE, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
   assert proc.stdout.readline().strip() == "ready"
   proc.send_signal(signal.SIGTERM)
-  assert proc.wait(timeout=60) == -signal.SIGTERM
-  assert read_scalars(str(tmp_path))["moe/fallback_frequency"] == {
-      s: pytest.approx(s / 10) for s in range(5)}
+  assert proc.wait(timeout=180) == -signal.SIGTERM  # generous: the suite loads the machine
+  written = read_scalars(str(tmp_path)).get("moe/fallback_frequency", {})
+  if handler:
+    assert written == {s: pytest.approx(s / 10) for s in range(5)}
+  else:
+    assert len(written) < 5, written

@@ -22,23 +22,52 @@ def get_config() -> ml_collections.ConfigDict:
   c.remat = True
   c.attention_block = 0       # query block of the attention scan; 0 = whole sequence
   c.loss_chunk = 0            # positions per logits chunk of the loss scan; 0 = whole sequence
+  # The MoE layers: every key but shared_expert is a `moe_hk.MoEConfig` field of the same name
+  # and meaning (its width and dtype come from emb_dim and dtype above).
   c.moe = ml_collections.ConfigDict(dict(
       num_experts=8,
       num_experts_per_tok=2,
-      mlp_dim=256,
-      ragged_buffer_factor=2.0,
-      dropless_fallback="layer",        # 'none' | 'layer' | 'step' (ring of experts only)
+      mlp_dim=256,                      # each expert's SwiGLU width
+      ragged_buffer_factor=2.0,         # receive buffer = factor x balanced rows; -1 worst case
+      moe_dropless_fallback="layer",    # 'none' | 'layer' | 'step' (ring of experts only)
       dropless_fallback_chunking="fixed",  # or 'adaptive': fewest chunks that fit at run time
       dropless_fallback_num_chunks=0,   # 0 = the fewest whose worst case fits the buffer
       use_ring_of_experts=False,
-      router_score="softmax",
+      a2a_impl="auto",                  # 'native' (TPU/GPU) | 'emulated' (CPU) | by platform
+      gmm_impl="auto",                  # 'ragged_dot' | 'blocked' | by platform
+      gmm_block_rows=128,               # row tile of the 'blocked' grouped matmul
+      router_score="softmax",           # or 'sigmoid' (Llama4 top-1)
       load_balance_loss_weight=0.01,
       router_z_loss_weight=1e-3,
-      shared_expert=False,
+      expert_axis="expert",             # the mesh axis experts are sharded over
+      # The trainer takes every step's stats from the step itself; True also streams them
+      # through host callbacks (for bare-layer users; costs a callback per layer and step).
+      log_required_ragged_buffer_factor=False,
+      emit_fallback_events=True,        # the fallback branch calls back: alerts at once
+      record_traffic=True,              # rows per (device, expert): WORKDIR/traffic, planner
+      # Launcher only (not MoEConfig fields):
+      shared_expert=False,              # a dense SwiGLU beside the experts
+      traffic_max_mib=1024,             # WORKDIR/traffic keeps at most this much, newest first
+      # The buffer-factor autopilot: picks the smallest factor (steps of 1/8) whose predicted
+      # fallback frequency over the last autotune_window steps is <= target_fallback_frequency;
+      # compiles candidates in the background (at most autotune_max_programs), refuses any
+      # over memory_budget_gib (0: the device's memory on TPU/GPU, none on CPU).
+      # autotune_wait: wait for a candidate's compile (a reproducible factor schedule).
+      autotune_ragged_buffer_factor=False,
+      target_fallback_frequency=0.01,
+      memory_budget_gib=0.0,
+      autotune_window=100,
+      autotune_max_programs=8,
+      autotune_wait=False,
   ))
+  # MoE telemetry (TensorBoard tags, alerts, callbacks); the training scalars are written
+  # either way.
+  c.moe_metrics = True
   # Data: batches are a pure function of (seed, step), so resumption is exact.
+  # source: 'stdlib' | 'synthetic' | 'files' (text files matching `pattern`, as bytes) |
+  # 'array_record' (pre-tokenised int32 sequences in ArrayRecord files matching `pattern`).
   c.data = ml_collections.ConfigDict(dict(
-      source="stdlib", max_bytes=4_000_000, batch_size=16, seq_len=128, seed=0))
+      source="stdlib", pattern="", max_bytes=4_000_000, batch_size=16, seq_len=128, seed=0))
   # Optimisation: AdamW, linear warmup then cosine decay, global-norm clipping.
   c.learning_rate = 3e-3
   c.warmup_steps = 20
@@ -49,7 +78,7 @@ def get_config() -> ml_collections.ConfigDict:
   # Evaluation, logging, checkpoints.
   c.eval_every = 50
   c.eval_batches = 2
-  c.log_every = 10
+  c.log_every = 10            # fetch the steps' outputs from the device every this many steps
   c.checkpoint_every = 50
   c.checkpoints_to_keep = 3
   return c

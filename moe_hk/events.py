@@ -1,12 +1,20 @@
-"""In-graph emission: each MoE layer streams its step's stats to the host.
+"""In-graph events: a MoE layer calls back to host functions registered here.
 
-The layer calls `emit_layer_event` on its global (mesh-reduced, replicated) stats right after
-its shard_map, so there is one callback per step and layer, not one per device (on 8 CPU
-devices, per-device callbacks cost 9% of a 4-layer step, this about 6%). It fires again when
-a rematerialised forward is recomputed under grad, so events carry (step, layer, shard,
-attempt), shard being the reporting process, and the host aggregator keeps one record per
-(step, layer). Haiku `init` emits nothing (the module passes no step). Each callback carries
-two packed vectors (ints, floats): fewer host transfers per event.
+Two kinds of event, both from the layer's global (mesh-reduced, replicated) stats right after
+its shard_map, so one callback per step and layer, not one per device:
+
+* `FALLBACK_EVENT` (`moe_dropless_fallback_layers`), from the branch that fell back, only when
+  it runs (`MoEConfig.emit_fallback_events`): the host learns of an overflow at once, while
+  the step's stats wait on the device for the trainer's next fetch.
+* `CAPPED_EVENT`, with `MoEConfig.log_required_ragged_buffer_factor`: every step's stats also
+  when nothing fell back, for users of the bare layer who have no train step returning them.
+
+A rematerialised forward calls back again when it is recomputed under grad, so events carry
+(step, layer, shard, attempt), shard being the reporting process, and the host keeps one
+record per (step, layer). Haiku `init` emits nothing (the module passes no step). Each
+callback carries two packed vectors (ints, floats): fewer host transfers per event.
+
+`moe_hk` imports nothing outside itself: the host side (`metrics`) registers a sink.
 """
 from __future__ import annotations
 
@@ -75,12 +83,12 @@ def _deliver(name: str, stats_type: type, layout: tuple, ints, floats) -> None:
 
 
 def emit_layer_event(stats: tuple, *, step: jax.Array, layer: jax.Array, shard: int,
-                     attempt: int) -> None:
-  """Calls back to the host with this layer's `MoEStats`, from the branch that ran (fallback
-  or capped), so the event's name says which one. (No import of moe_hk here: the layer
-  imports this module.)"""
+                     attempt: int, every_step: bool) -> None:
+  """Calls back to the host with this layer's `MoEStats`: a `FALLBACK_EVENT` when
+  `stats.fallback` is set, and, if `every_step`, a `CAPPED_EVENT` otherwise."""
   layout, ints, floats = _pack([step, layer, jnp.int32(shard), jnp.int32(attempt)], stats)
   def send(name):
     return lambda: jax.debug.callback(functools.partial(_deliver, name, type(stats), layout),
                                       ints, floats)
-  jax.lax.cond(stats.fallback > 0, send(FALLBACK_EVENT), send(CAPPED_EVENT))
+  jax.lax.cond(stats.fallback > 0, send(FALLBACK_EVENT),
+               send(CAPPED_EVENT) if every_step else lambda: None)

@@ -1,0 +1,82 @@
+"""The launcher's throughput with the MoE telemetry on vs off (`config.moe_metrics`).
+
+  python -m benchmarks.trainer_overhead [--rounds=5 --warmup_steps=20 --steps=60]
+
+Each round trains the default config (8 simulated CPU devices) once with `moe_metrics=True`
+and once with `moe_metrics=False`, in alternating order, each from scratch in its own workdir.
+Steps/s is measured in the steady state, over `--steps` steps after `--warmup_steps` (so the
+compile is left out), from the wall times of the `train/loss` points in the event files: the
+trainer writes a fetched interval's points together, so the time between two fetches covers
+everything the host does for those steps (dispatch, the fetch, aggregation, event files,
+alerts). Eval and checkpoints fall outside the window. The ratio on / off is taken within a
+round. JSON, then a table.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                           " --xla_force_host_platform_device_count=8").strip()
+
+import numpy as np  # noqa: E402
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
+
+from launch import trainer  # noqa: E402
+from launch.configs import default  # noqa: E402
+
+
+def loss_wall_times(workdir: str) -> dict[int, float]:
+  """step -> wall time of its `train/loss` point."""
+  acc = EventAccumulator(workdir, size_guidance={"tensors": 0})
+  acc.Reload()
+  return {e.step: e.wall_time for e in acc.Tensors("train/loss")}
+
+
+def steps_per_second(moe_metrics: bool, warmup: int, steps: int) -> float:
+  c = default.get_config()
+  c.moe_metrics = moe_metrics
+  # The window [warmup, warmup + steps) starts and ends at fetches; eval and checkpoints
+  # (and the final fetch) come after it.
+  c.train_steps = warmup + steps + c.log_every
+  c.eval_every = c.checkpoint_every = c.train_steps
+  with tempfile.TemporaryDirectory() as workdir:
+    trainer.train_and_evaluate(c, workdir)
+    times = loss_wall_times(workdir)
+  return steps / (times[warmup + steps - 1] - times[warmup - 1])
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--rounds", type=int, default=5)
+  parser.add_argument("--warmup_steps", type=int, default=20)
+  parser.add_argument("--steps", type=int, default=60)
+  args = parser.parse_args()
+  log_every = default.get_config().log_every
+  if args.warmup_steps % log_every or args.steps % log_every:
+    parser.error(f"--warmup_steps and --steps must be multiples of log_every={log_every}")
+  samples = {"on": [], "off": []}
+  for r in range(args.rounds):
+    for mode in (("on", "off") if r % 2 == 0 else ("off", "on")):
+      samples[mode].append(steps_per_second(mode == "on", args.warmup_steps, args.steps))
+  ratio = np.asarray(samples["on"]) / np.asarray(samples["off"])
+  result = {"rounds": args.rounds, "steps": args.steps, "warmup_steps": args.warmup_steps,
+            "steps_per_second": samples,
+            "on_over_off": {"median": float(np.median(ratio)),
+                            "p25": float(np.percentile(ratio, 25)),
+                            "p75": float(np.percentile(ratio, 75))}}
+  print(json.dumps(result, indent=2))
+  print("\n| moe_metrics | steps/s (median) | on / off (median, p25-p75) |")
+  print("|---|---|---|")
+  r = result["on_over_off"]
+  print(f"| False | {np.median(samples['off']):.2f} | - |")
+  print(f"| True | {np.median(samples['on']):.2f} | {r['median']:.3f} "
+        f"({r['p25']:.3f}-{r['p75']:.3f}) |")
+
+
+if __name__ == "__main__":
+  main()

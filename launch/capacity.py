@@ -1,0 +1,236 @@
+"""Replays a run's recorded MoE traffic through the dispatch plan, for candidate buffer factors.
+
+  python -m launch.capacity --workdir=DIR [--factors=1,1.25,1.5,2,3] [--expert_shards=P]
+      [--format=table|json] [--aot_config=PATH --compile_topology=TOPO [--aot_config.KEY=V ...]]
+
+For each `ragged_buffer_factor` (default: 1,1.25,1.5,2,3 and the run's own) the capped buffer of
+R rows per receiving shard is replayed on every recorded step and MoE layer (WORKDIR/traffic/,
+`metrics.traffic`):
+
+  fallback_frequency       fraction of steps with >= 1 overflowing layer: the fallback would run
+  overflowing_layers_mean  overflowing MoE layers per step, averaged over the steps
+  would_drop_fraction      rows beyond the buffers / routed rows: dropped without a fallback
+  buffer_rows              R per receiving shard
+  expert_shards            P, the expert-parallel size the traffic is grouped for
+  memory_bytes_per_device  (with --aot_config) the config's train step, capped + `layer`
+                           fallback, compiled by `launch.aot` for --compile_topology
+
+`--expert_shards` regroups the same devices (same tokens per device) into expert groups of that
+size. Prints a markdown table, or a JSON list with --format=json; writes WORKDIR/capacity.png.
+"""
+import os
+import sys
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+# launch.aot loads the trainer (CLU and TensorFlow: many seconds), so it loads only when a compile
+# is asked for. It defines --compile_topology and sets the device count of `cpu:N`, so before jax.
+if any(arg.startswith(("--aot_config", "--compile_topology")) for arg in sys.argv[1:]):
+  from launch import aot  # noqa: F401
+
+import json  # noqa: E402
+import math  # noqa: E402
+import textwrap  # noqa: E402
+from typing import Sequence  # noqa: E402
+
+import jax  # noqa: E402
+import ml_collections  # noqa: E402
+import numpy as np  # noqa: E402
+from absl import app, flags  # noqa: E402
+from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
+
+from launch import overrides  # noqa: E402
+from metrics.traffic import Traffic, read_traffic  # noqa: E402
+from moe_hk import dispatch_plan  # noqa: E402
+
+DEFAULT_FACTORS = (1.0, 1.25, 1.5, 2.0, 3.0)
+GIB, MIB = 1024 ** 3, 1024 ** 2
+
+_WORKDIR = flags.DEFINE_string("workdir", None, "Workdir of a launch.train run (its traffic/).",
+                               required=True)
+_FACTORS = flags.DEFINE_list("factors", None, "Buffer factors to replay; default "
+                             f"{','.join(f'{f:g}' for f in DEFAULT_FACTORS)} and the run's own.")
+_EXPERT_SHARDS = flags.DEFINE_integer("expert_shards", None, "Expert-parallel size to regroup "
+                                      "the traffic for; default: the run's.")
+_FORMAT = flags.DEFINE_enum("format", "table", ["table", "json"], "Markdown table or JSON list.")
+_AOT_CONFIG = config_flags.DEFINE_config_file(
+    "aot_config", None, "With --compile_topology (a launch.aot topology): also compile this "
+    "config's train step per factor and report its memory per device.")
+
+# [M, P, P] traffic matrices -> [M] rows beyond a buffer of R rows (R traced: one compile).
+_overflow_rows = jax.jit(jax.vmap(dispatch_plan.overflow_rows, in_axes=(0, None)))
+
+
+def group_traffic(counts: np.ndarray, expert_shards: int) -> jax.Array:
+  """`A [n, layers, G, P, P]` from `counts [n, layers, devices, E]`: G = devices / P groups."""
+  n, layers, devices, experts = counts.shape
+  for what, size in (("recorded devices", devices), ("experts", experts)):
+    if expert_shards < 1 or size % expert_shards:
+      raise ValueError(f"expert_shards={expert_shards} must divide the {size} {what}.")
+  groups = counts.reshape(-1, expert_shards, experts)  # [n * layers * G, P, E]
+  return jax.vmap(dispatch_plan.traffic_matrix)(groups).reshape(
+      n, layers, devices // expert_shards, expert_shards, expert_shards)
+
+
+def plan(traffic: Traffic, factors: Sequence[float],
+         expert_shards: int | None = None) -> list[dict]:
+  """Per factor, what a capped buffer would have done on every recorded step and MoE layer.
+
+  One dict per factor, in the order given, with the keys of the module docstring (no memory).
+  """
+  shards = traffic.expert_shards if expert_shards is None else expert_shards
+  matrices = group_traffic(traffic.counts, shards)
+  flat = matrices.reshape(-1, shards, shards)
+  local = traffic.counts.shape[-1] // shards
+  routed = traffic.counts.sum(dtype=np.int64)
+  results = []
+  for factor in factors:
+    rows = dispatch_plan.buffer_rows(shards, traffic.tokens_per_device, traffic.k, local, factor)
+    beyond = np.asarray(_overflow_rows(flat, rows)).reshape(matrices.shape[:3])  # [n, layers, G]
+    overflowing = (beyond > 0).any(axis=2)                                        # [n, layers]
+    results.append(dict(
+        factor=float(factor),
+        fallback_frequency=float(overflowing.any(axis=1).mean()),
+        overflowing_layers_mean=float(overflowing.sum(axis=1).mean()),
+        would_drop_fraction=float(beyond.sum(dtype=np.int64) / routed),
+        buffer_rows=rows,
+        expert_shards=shards))
+  return results
+
+
+def factor_list(values: list[str] | None, traffic: Traffic) -> list[float]:
+  """--factors as sorted distinct numbers; default: DEFAULT_FACTORS and the run's own."""
+  if values is None:
+    # A run on the worst-case buffer (-1) never overflows: nothing to replay for it.
+    return sorted({*DEFAULT_FACTORS, *(f for f in traffic.factors.tolist() if f > 0)})
+  text = ",".join(values)
+  try:
+    factors = [float(v) for v in values]
+  except ValueError:
+    raise ValueError(f"--factors={text}: not a comma-separated list of numbers.") from None
+  if not factors or not all(math.isfinite(f) and f > 0 for f in factors):
+    raise ValueError(f"--factors={text}: need one or more positive buffer factors, e.g. 1,1.5,2.")
+  return sorted(set(factors))
+
+
+def memory_per_factor(config: ml_collections.ConfigDict, topology: str,
+                      factors: Sequence[float], expert_shards: int,
+                      traffic: Traffic) -> list[int]:
+  """Per-device bytes of `config`'s train step with a `layer` fallback, one figure per factor.
+
+  The mesh gets `expert_shards` on its expert axis; fsdp takes up the rest of the devices.
+  """
+  from launch import aot, trainer  # loaded before jax, see the top of this file
+  devices = aot.topology_devices(topology)
+  experts = traffic.counts.shape[-1]
+  if (config.moe.num_experts, config.moe.num_experts_per_tok) != (experts, traffic.k):
+    raise ValueError(f"--aot_config has {config.moe.num_experts} experts, top-"
+                     f"{config.moe.num_experts_per_tok}; the traffic {experts}, top-{traffic.k}.")
+  c = config.copy_and_resolve_references()
+  fsdp, rest = divmod(len(devices), c.mesh.data * expert_shards)
+  if rest:
+    raise ValueError(f"config.mesh.data={c.mesh.data} x expert={expert_shards} does not divide "
+                     f"the {len(devices)} devices of --compile_topology={topology}.")
+  c.mesh.expert, c.mesh.fsdp = expert_shards, fsdp
+  trainer.validate(c, devices=len(devices))
+  memory = []
+  for factor in factors:
+    c.moe.ragged_buffer_factor = factor
+    memory.append(aot.compile_variant(c, devices, "fallback_scan")["total_bytes"])
+  return memory
+
+
+def describe(traffic: Traffic, expert_shards: int) -> str:
+  """One line: what was recorded and how it is grouped."""
+  n, layers, devices, experts = traffic.counts.shape
+  return (f"{n} steps ({traffic.steps[0]}..{traffic.steps[-1]}), {layers} MoE layers, "
+          f"{devices} devices, E={experts}, T={traffic.tokens_per_device}, K={traffic.k}; "
+          f"expert groups of P={expert_shards} (recorded with P={traffic.expert_shards})")
+
+
+def memory_unit(results: list[dict]) -> tuple[str, int]:
+  """The unit of the memory figures: GiB, or MiB when all are below a GiB (small configs)."""
+  largest = max(r["memory_bytes_per_device"] for r in results)
+  return ("GiB", GIB) if largest >= GIB else ("MiB", MIB)
+
+
+def table(results: list[dict], run_factors: set[float]) -> str:
+  """`results` as a markdown table, the run's own factors marked."""
+  memory = "memory_bytes_per_device" in results[0]
+  unit, size = memory_unit(results) if memory else (None, None)
+  head = ["factor", "buffer rows", "fallback frequency", "overflowing layers (mean)",
+          "would drop"] + ([f"memory / device ({unit})"] if memory else [])
+  lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+  for r in results:
+    cells = [f"{r['factor']:g}" + (" (run)" if r["factor"] in run_factors else ""),
+             str(r["buffer_rows"]), f"{r['fallback_frequency']:.1%}",
+             f"{r['overflowing_layers_mean']:.2f}", f"{r['would_drop_fraction']:.3%}"]
+    if memory:
+      cells.append(f"{r['memory_bytes_per_device'] / size:.2f}")
+    lines.append("| " + " | ".join(cells) + " |")
+  return "\n".join(lines)
+
+
+def plot(results: list[dict], run_factors: set[float], title: str, path: str) -> None:
+  """Fallback frequency and would-drop fraction against the factor; memory on a second axis."""
+  figure = Figure(figsize=(8, 4.8), layout="constrained")
+  FigureCanvasAgg(figure)
+  axes = figure.add_subplot()
+  factors = [r["factor"] for r in results]
+  axes.plot(factors, [r["fallback_frequency"] for r in results], "o-", label="fallback frequency")
+  axes.plot(factors, [r["would_drop_fraction"] for r in results], "s--",
+            label="would-drop fraction (no fallback)")
+  for i, factor in enumerate(sorted(run_factors)):
+    axes.axvline(factor, color="gray", linestyle=":", label=None if i else "the run's factor")
+  axes.set(xlabel="ragged_buffer_factor", ylabel="fraction")
+  axes.set_title(textwrap.fill(title, 80), fontsize="medium")
+  axes.set_ylim(bottom=0)
+  if "memory_bytes_per_device" in results[0]:
+    unit, size = memory_unit(results)
+    memory = axes.twinx()
+    memory.plot(factors, [r["memory_bytes_per_device"] / size for r in results], "^-",
+                color="C2", label=f"memory / device ({unit})")
+    memory.set_ylabel(f"{unit} per device")
+    memory.set_ylim(bottom=0)
+  # Below the axes: inside, it would hide points of one of the curves.
+  figure.legend(loc="outside lower center", ncols=2)
+  figure.savefig(path, dpi=120)
+
+
+def _topology() -> str | None:
+  """--compile_topology, when given (launch.aot defines it, and loads only when asked)."""
+  given = "compile_topology" in flags.FLAGS and flags.FLAGS["compile_topology"].present
+  return flags.FLAGS.compile_topology if given else None
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  topology = _topology()
+  if (_AOT_CONFIG.value is None) != (topology is None):
+    raise app.UsageError("--aot_config and --compile_topology go together (e.g. "
+                         "--aot_config=launch/configs/tiny.py --compile_topology=cpu:8).")
+  try:
+    traffic = read_traffic(_WORKDIR.value)
+    factors = factor_list(_FACTORS.value, traffic)
+    results = plan(traffic, factors, _EXPERT_SHARDS.value)
+    shards = results[0]["expert_shards"]
+    if topology:
+      memory = memory_per_factor(_AOT_CONFIG.value, topology, factors, shards, traffic)
+      for r, m in zip(results, memory):
+        r["memory_bytes_per_device"] = m
+  except ValueError as e:
+    raise app.UsageError(str(e)) from None
+  run_factors = set(traffic.factors.tolist()) & set(factors)
+  path = os.path.join(_WORKDIR.value, "capacity.png")
+  plot(results, run_factors, describe(traffic, shards), path)
+  if _FORMAT.value == "json":
+    print(json.dumps(results, indent=2))
+  else:
+    print(f"{describe(traffic, shards)}\n\n{table(results, run_factors)}\n\nplot: {path}")
+
+
+if __name__ == "__main__":
+  app.run(main, flags_parser=overrides.flags_parser("aot_config", "launch/configs/default.py"))

@@ -1,0 +1,288 @@
+"""Recorded traffic (`metrics.traffic`) and the capacity planner (`launch.capacity`) against
+explicit loops over steps, layers, expert groups and receivers."""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from absl import app, flags
+from absl.testing import flagsaver
+
+from launch import capacity
+from metrics.traffic import Traffic, TrafficRecorder, read_traffic
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEVICES, EXPERTS, SHARDS, TOKENS, K, LAYERS = 8, 8, 4, 16, 2, 3
+META = dict(expert_shards=SHARDS, tokens_per_device=TOKENS, k=K)
+FACTORS = (1.0, 1.25, 1.5, 2.0, 3.0, 4.0)  # 4 is the worst case here: it never overflows
+
+
+def skewed_counts(seed: int, steps: int, layers: int = LAYERS) -> np.ndarray:
+  """`[steps, layers, DEVICES, EXPERTS]`: each token picks K distinct experts (Gumbel top-k),
+  pulled toward one hot expert per (step, layer) with a strength that varies by step."""
+  rng = np.random.default_rng(seed)
+  pull = rng.uniform(0, 3, (steps, layers, 1, 1, 1))
+  hot = rng.integers(EXPERTS, size=(steps, layers, 1, 1, 1))
+  logits = pull * (np.arange(EXPERTS) == hot) + rng.gumbel(
+      size=(steps, layers, DEVICES, TOKENS, EXPERTS))
+  chosen = np.argsort(-logits, axis=-1)[..., :K]  # [steps, layers, DEVICES, T, K]
+  counts = (chosen[..., None] == np.arange(EXPERTS)).sum(axis=(-3, -2)).astype(np.int32)
+  assert (counts.sum(-1) == TOKENS * K).all()
+  return counts
+
+
+def record(workdir, pieces, max_bytes: int = 1 << 30, **meta) -> None:
+  """Appends `(first step, counts, factor per step or one for all)` pieces, one file each."""
+  recorder = TrafficRecorder(str(workdir), **{**META, **meta}, max_bytes=max_bytes)
+  for first, counts, factors in pieces:
+    steps = range(first, first + len(counts))
+    recorder.append(steps, counts, np.broadcast_to(factors, len(counts)))
+
+
+RUN_FACTORS = np.array([1.5] * 100 + [2.2] * 200)  # the run changed its factor at step 100
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+  """A run of 300 steps recorded in two files, and its traffic."""
+  workdir = tmp_path_factory.mktemp("run")
+  counts = skewed_counts(0, 300)
+  record(workdir, [(0, counts[:150], RUN_FACTORS[:150]), (150, counts[150:], RUN_FACTORS[150:])])
+  return workdir, counts
+
+
+def test_round_trip(run):
+  workdir, counts = run
+  traffic = read_traffic(str(workdir))
+  np.testing.assert_array_equal(traffic.steps, np.arange(300))
+  np.testing.assert_array_equal(traffic.counts, counts)
+  np.testing.assert_array_equal(traffic.factors, RUN_FACTORS)
+  assert traffic.counts.dtype == np.int32 and traffic.steps.dtype == np.int64
+  assert (traffic.expert_shards, traffic.tokens_per_device, traffic.k) == (SHARDS, TOKENS, K)
+  assert sorted(os.listdir(workdir / "traffic")) == [
+      "traffic-000000-000000000-000000149.npz", "traffic-000001-000000150-000000299.npz"]
+
+
+def test_a_step_recorded_twice_keeps_the_newest_files_copy(tmp_path):
+  first, resumed, again = skewed_counts(1, 200), skewed_counts(2, 100), skewed_counts(3, 50)
+  # Steps 0-199, then a run resumed from step 150 records 150-249, then 0-49 are recorded anew.
+  record(tmp_path, [(0, first[:100], 1.0), (100, first[100:], 1.0), (150, resumed, 2.0),
+                    (0, again, 3.0)])
+  traffic = read_traffic(str(tmp_path))
+  np.testing.assert_array_equal(traffic.steps, np.arange(250))
+  np.testing.assert_array_equal(traffic.counts,
+                                np.concatenate([again, first[50:150], resumed]))
+  np.testing.assert_array_equal(traffic.factors, [3.0] * 50 + [1.0] * 100 + [2.0] * 100)
+
+
+def test_max_bytes_deletes_the_oldest_files(tmp_path):
+  pieces = [(100 * i, skewed_counts(i, 100), 1.0) for i in range(5)]
+  record(tmp_path / "one", pieces[:1])
+  size = os.path.getsize(tmp_path / "one" / "traffic" / "traffic-000000-000000000-000000099.npz")
+  record(tmp_path / "bounded", pieces, max_bytes=int(2.5 * size))
+  traffic = read_traffic(str(tmp_path / "bounded"))
+  np.testing.assert_array_equal(traffic.steps, np.arange(300, 500))
+  np.testing.assert_array_equal(traffic.counts, np.concatenate([pieces[3][1], pieces[4][1]]))
+  record(tmp_path / "tiny", pieces, max_bytes=1)  # the newest file stays whatever its size
+  assert os.listdir(tmp_path / "tiny" / "traffic") == ["traffic-000004-000000400-000000499.npz"]
+
+
+def balanced(steps: int, devices: int = DEVICES, experts: int = EXPERTS) -> np.ndarray:
+  """`[steps, 1, devices, experts]` counts with every device's N = T * K rows spread evenly."""
+  return np.full((steps, 1, devices, experts), TOKENS * K // experts, np.int32)
+
+
+@pytest.mark.parametrize("steps,counts,factors,message", [
+    ([0, 1], balanced(2), [1.0], "2 steps, 1 factors"),
+    ([], balanced(0), [], "at least one"),
+    ([1, 1], balanced(2), [1.0, 1.0], "increasing"),
+    ([0], balanced(1)[0], [1.0], r"integer \[n, layers, devices, E\]"),
+    ([0], balanced(1).astype(np.float32), [1.0], "integer"),
+    ([0], balanced(1, devices=6), [1.0], "must divide the 6 devices"),
+    ([0], balanced(1, experts=6), [1.0], "and the 6 experts"),
+    ([0], balanced(1) + (np.arange(DEVICES)[:, None] == 0) * (np.arange(EXPERTS) == 0), [1.0],
+     "= 32 rows .* sum to 32..33"),
+])
+def test_recorder_rejects_bad_input(tmp_path, steps, counts, factors, message):
+  with pytest.raises(ValueError, match=message):
+    TrafficRecorder(str(tmp_path), **META).append(steps, counts, factors)
+
+
+@pytest.mark.parametrize("second,message", [
+    (dict(tokens_per_device=32, k=1),
+     r"metadata \{'expert_shards': 4, 'tokens_per_device': 32, 'k': 1\}"),
+    (dict(layers=2), r"counts \[layers, devices, E\] \(2, 8, 8\) differ"),
+])
+def test_read_refuses_traffic_of_different_configs(tmp_path, second, message):
+  record(tmp_path, [(0, skewed_counts(0, 4), 1.0)])
+  layers = second.pop("layers", LAYERS)
+  record(tmp_path, [(4, skewed_counts(0, 4, layers), 1.0)], **second)
+  with pytest.raises(ValueError, match=message):
+    read_traffic(str(tmp_path))
+
+
+def test_read_without_traffic_says_what_to_run(tmp_path):
+  with pytest.raises(ValueError, match=r"traffic holds no recorded traffic: run .*launch.train"):
+    read_traffic(str(tmp_path))
+  (tmp_path / "traffic").mkdir()
+  (tmp_path / "traffic" / "traffic-000000-000000000-000000009.npz.tmp").write_bytes(b"half")
+  with pytest.raises(ValueError, match="holds no recorded traffic"):
+    read_traffic(str(tmp_path))
+
+
+def brute_force(traffic: Traffic, factor: float, shards: int) -> dict:
+  """The planner's figures by walking every step, layer, expert group and receiver."""
+  counts = traffic.counts.tolist()
+  local = EXPERTS // shards
+  rows = min(math.floor(TOKENS * K * factor), shards * TOKENS * min(K, local))
+  fallback_steps = overflowing_layers = beyond = 0
+  for step in counts:
+    overflowing = 0
+    for layer in step:
+      overflow = False
+      for group in range(DEVICES // shards):
+        senders = layer[group * shards:(group + 1) * shards]
+        for receiver in range(shards):
+          load = sum(sum(sender[receiver * local:(receiver + 1) * local]) for sender in senders)
+          beyond += max(load - rows, 0)
+          overflow = overflow or load > rows
+      overflowing += overflow
+    fallback_steps += overflowing > 0
+    overflowing_layers += overflowing
+  steps = len(counts)
+  return dict(factor=factor, fallback_frequency=fallback_steps / steps,
+              overflowing_layers_mean=overflowing_layers / steps,
+              would_drop_fraction=beyond / (steps * LAYERS * DEVICES * TOKENS * K),
+              buffer_rows=rows, expert_shards=shards)
+
+
+@pytest.mark.parametrize("shards", [None, 2, 8])
+def test_plan_matches_explicit_loops(run, shards):
+  traffic = read_traffic(str(run[0]))
+  planned = capacity.plan(traffic, FACTORS, shards)
+  for got, factor in zip(planned, FACTORS, strict=True):
+    want = brute_force(traffic, factor, shards or SHARDS)
+    assert got.keys() == want.keys()
+    for key in want:
+      assert got[key] == pytest.approx(want[key], rel=1e-12), (factor, key)
+  frequencies = [r["fallback_frequency"] for r in planned]
+  assert frequencies[0] > 0 and frequencies[-1] == 0  # the traffic overflows only sometimes
+  assert any(0 < f < 1 for f in frequencies)
+
+
+@pytest.mark.parametrize("shards", [None, 2, 8])
+def test_a_larger_buffer_never_falls_back_more(run, shards):
+  factors = np.linspace(0.5, 4.5, 33)
+  planned = capacity.plan(read_traffic(str(run[0])), factors, shards)
+  for key in ("fallback_frequency", "overflowing_layers_mean", "would_drop_fraction"):
+    values = [r[key] for r in planned]
+    assert values[0] > 0 and all(np.diff(values) <= 0), (key, values)
+
+
+@pytest.mark.parametrize("shards,experts,message", [
+    (3, 12, "expert_shards=3 must divide the 8 recorded devices"),
+    (8, 12, "expert_shards=8 must divide the 12 experts"),
+    (0, 8, "expert_shards=0 must divide"),
+])
+def test_plan_refuses_a_regrouping_that_does_not_divide(shards, experts, message):
+  traffic = Traffic(np.arange(2), np.zeros((2, 1, DEVICES, experts), np.int32), np.ones(2),
+                    expert_shards=4, tokens_per_device=TOKENS, k=K)
+  with pytest.raises(ValueError, match=message):
+    capacity.plan(traffic, [1.0], shards)
+
+
+def run_main(*args: str) -> None:
+  """`launch.capacity`'s main in this process, with its flags restored afterwards."""
+  with flagsaver.flagsaver():
+    flags.FLAGS(["capacity", *args])
+    capacity.main(["capacity"])
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+  """`python -m launch.capacity ARGS` from the repository root."""
+  return subprocess.run([sys.executable, "-m", "launch.capacity", *args], cwd=ROOT,
+                        capture_output=True, text=True, timeout=300)
+
+
+def test_cli_json_end_to_end(run):
+  workdir, _ = run
+  done = cli(f"--workdir={workdir}", "--format=json")
+  assert done.returncode == 0, done.stderr[-3000:]
+  results = json.loads(done.stdout)
+  assert all(r.keys() == {"factor", "fallback_frequency", "overflowing_layers_mean",
+                          "would_drop_fraction", "buffer_rows", "expert_shards"}
+             for r in results)
+  factors = sorted({*capacity.DEFAULT_FACTORS, 1.5, 2.2})  # the run's factors join the default
+  assert [r["factor"] for r in results] == factors
+  assert results == capacity.plan(read_traffic(str(workdir)), factors)
+  with open(workdir / "capacity.png", "rb") as f:
+    png = f.read()
+  assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 20_000
+
+
+def test_cli_table(run, capsys):
+  run_main(f"--workdir={run[0]}", "--factors=2.2,1,1", "--expert_shards=2")
+  out = capsys.readouterr().out
+  assert "300 steps (0..299), 3 MoE layers, 8 devices, E=8, T=16, K=2; expert groups of P=2" in out
+  rows = [line for line in out.splitlines() if line.startswith("| ")]
+  assert rows[0].startswith("| factor | buffer rows | fallback frequency |")
+  assert [row.split(" | ")[0] for row in rows[1:]] == ["| 1", "| 2.2 (run)"]
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--factors=1,x"], "--factors=1,x: not a comma-separated list of numbers"),
+    (["--factors=1,0"], "--factors=1,0: need one or more positive buffer factors"),
+    (["--factors=inf"], "need one or more positive"),
+    (["--factors="], "need one or more positive"),
+    (["--factors=0.001"], "leaves a receive buffer of 0 rows"),
+    (["--expert_shards=3"], "expert_shards=3 must divide the 8 recorded devices"),
+    (["--aot_config=launch/configs/tiny.py"], "--aot_config and --compile_topology go together"),
+])
+def test_cli_refuses_bad_input(run, args, message):
+  with pytest.raises(app.UsageError, match=message):
+    run_main(f"--workdir={run[0]}", *args)
+
+
+def test_cli_without_traffic_fails_in_one_line(tmp_path):
+  done = cli(f"--workdir={tmp_path}")
+  assert done.returncode == 1 and "Traceback" not in done.stderr
+  assert f"{tmp_path}/traffic holds no recorded traffic: run" in done.stderr.splitlines()[-1]
+
+
+@pytest.mark.slow
+def test_memory_per_factor_regroups_the_mesh(run, monkeypatch):
+  """Each factor compiles the config with that factor and P expert shards, fsdp the rest."""
+  from launch import aot
+  from launch.configs import tiny
+  compiled = []
+
+  def compile_variant(config, devices, variant):
+    compiled.append((dict(config.mesh), config.moe.ragged_buffer_factor, variant, len(devices)))
+    return {"total_bytes": int(1000 * config.moe.ragged_buffer_factor)}
+
+  monkeypatch.setattr(aot, "compile_variant", compile_variant)
+  config, traffic = tiny.get_config(), read_traffic(str(run[0]))
+  assert capacity.memory_per_factor(config, "cpu:8", [1.0, 2.5], 4, traffic) == [1000, 2500]
+  assert compiled == [(dict(data=1, fsdp=2, expert=4), factor, "fallback_scan", 8)
+                      for factor in (1.0, 2.5)]
+  assert config.mesh.expert == 8 and config.moe.ragged_buffer_factor == 1.0  # left alone
+  config.mesh.data = 3
+  with pytest.raises(ValueError, match="data=3 x expert=4 does not divide the 8 devices"):
+    capacity.memory_per_factor(config, "cpu:8", [1.0], 4, traffic)
+  config.moe.num_experts_per_tok = 1
+  with pytest.raises(ValueError, match="--aot_config has 8 experts, top-1; the traffic 8, top-2"):
+    capacity.memory_per_factor(config, "cpu:8", [1.0], 4, traffic)
+
+
+@pytest.mark.slow
+def test_cli_reports_the_compiled_memory(run):
+  workdir, _ = run
+  done = cli(f"--workdir={workdir}", "--format=json", "--factors=2",
+             "--aot_config=launch/configs/tiny.py", "--compile_topology=cpu:8")
+  assert done.returncode == 0, done.stderr[-3000:]
+  (result,) = json.loads(done.stdout)
+  assert result["factor"] == 2 and result["memory_bytes_per_device"] > 0
+  assert os.path.getsize(workdir / "capacity.png") > 20_000
