@@ -151,6 +151,13 @@ class ProgramCache:
     future.set_result(program)
     self._futures[program.factor] = future
 
+  def compile_now(self, factor: float) -> Program:
+    """Compiles `factor` on this thread and registers it (the program a resumed run starts
+    with; not counted against the recompile budget)."""
+    program = self._compile(factor)
+    self.add(program)
+    return program
+
   def request(self, factor: float) -> bool:
     """Starts compiling `factor` in the background; False if the budget forbids it."""
     if factor in self._futures:

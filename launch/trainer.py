@@ -260,10 +260,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
         state = _restore(manager, state, data, moe_metrics, pilot)
         logging.info("resumed from step %d", int(state.step))
       factor = m.ragged_buffer_factor if pilot is None else pilot.factor
-      run = (programs.runner(steps.train, steps.replay) if factor == m.ragged_buffer_factor else
-             programs.compiler(config, mesh, steps)(factor).step)
-      if pilot is not None:
-        pilot.cache.add(autopilot.Program(factor, run, None))
+      if pilot is not None and factor != m.ragged_buffer_factor:
+        run = pilot.cache.compile_now(factor).step  # resumed at the autopilot's factor
+      else:
+        run = programs.runner(steps.train, steps.replay)
+        if pilot is not None:
+          pilot.cache.add(autopilot.Program(factor, run, None))
       recorder = (traffic.TrafficRecorder(
           workdir, expert_shards=config.mesh[m.expert_axis], k=m.num_experts_per_tok,
           tokens_per_device=batch_rows * config.data.seq_len // jax.device_count(),
