@@ -1,16 +1,18 @@
 """Compiles the full train step for a topology and prints device memory per MoE variant.
 
   python -m launch.aot --config=launch/configs/maverick.py --compile_topology=v5p-256 \
-      [--variants=worst_case,capped,fallback_scan,fallback_unrolled] [--config.KEY=VALUE ...]
+      [--variants=worst_case,capped,fallback_scan,step,...] [--config.KEY=VALUE ...]
 
 The topology is a TPU slice (`v5p-256`, i.e. 128 chips, or `v5p:4x4x8`), compiled through
 libtpu with no TPU attached, or `cpu:N` (N simulated CPU devices). Every variant compiles the
 same step as `launch.train` (value-and-grad, AdamW, donated state), differing only in the MoE
 layers: the worst-case buffer, the capped buffer (rows may drop), capped + `layer` fallback
-(scan of checkpointed chunks; also `fallback_adaptive`), and capped + a Python-unrolled chunk
+(scan of checkpointed chunks; also `fallback_adaptive`), `step` mode (the capped step that
+replays itself dropless in-graph, on the config's path), and capped + a Python-unrolled chunk
 loop (the naive form, `moe_hk.fallback.unrolled_chunks`). Prints JSON, then a table
 of per-device memory (arguments + outputs + temporaries - aliased) from
-`compiled.memory_analysis()`. A variant whose temporaries exceed the chip's HBM does not compile
+`compiled.memory_analysis()` and the compiled FLOPs per step (`cost_analysis()`, all devices)
+beside 6 x active parameters x tokens. A variant whose temporaries exceed the chip's HBM does not compile
 for TPU; its row then shows the compiler's stated temporaries plus the argument shards.
 """
 import os
@@ -40,7 +42,8 @@ from launch import overrides, trainer  # noqa: E402
 from launch.steps import make_steps  # noqa: E402
 from moe_hk import aot, fallback  # noqa: E402
 
-VARIANTS = ("worst_case", "capped", "fallback_scan", "fallback_adaptive", "fallback_unrolled")
+VARIANTS = ("worst_case", "capped", "fallback_scan", "fallback_adaptive", "step",
+            "fallback_unrolled")
 # Chips of a v5p slice (v5p-N counts TensorCores, 2 per chip) -> the slice's 3D torus shape.
 V5P_SHAPES = {4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4", 128: "4x4x8",
               256: "4x8x8", 512: "8x8x8"}
@@ -81,6 +84,8 @@ def variant_config(config: ml_collections.ConfigDict, variant: str) -> ml_collec
     c.moe.ragged_buffer_factor = -1.0
   if variant in ("worst_case", "capped"):
     c.moe.moe_dropless_fallback = "none"
+  elif variant == "step":
+    c.moe.moe_dropless_fallback = "step"
   else:
     c.moe.moe_dropless_fallback = "layer"
     c.moe.dropless_fallback_chunking = "adaptive" if variant == "fallback_adaptive" else "fixed"
@@ -114,11 +119,40 @@ def compile_variant(config: ml_collections.ConfigDict, devices: list, variant: s
             "hbm_bytes": int(float(need.group(2)) * GIB),
             "compile_seconds": round(time.perf_counter() - start, 1)}
   m = compiled.memory_analysis()
+  flops = (compiled.cost_analysis() or {}).get("flops", 0.0) * len(devices)
   return {"variant": variant, "compiled": True, "total_bytes": aot.total_memory_bytes(compiled),
+          "flops": flops,
           "argument_bytes": int(m.argument_size_in_bytes),
           "output_bytes": int(m.output_size_in_bytes), "temp_bytes": int(m.temp_size_in_bytes),
           "alias_bytes": int(m.alias_size_in_bytes),
           "compile_seconds": round(time.perf_counter() - start, 1)}
+
+
+def model_flops(config: ml_collections.ConfigDict) -> dict:
+  """Parameters of the model (total, active per token) and 6 x active x tokens per step.
+
+  Active: every parameter but the routed experts', plus K / E of those (a token runs K of the
+  E experts); the tied embedding counts once (as the output projection). Attention's score
+  and value matmuls (12 x layers x heads x head_dim x S / 2 per token, causal) are added
+  separately: the 6N rule leaves them out."""
+  c = variant_config(config, "capped")
+  mesh = moe_hk.make_mesh(**{k: 1 for k in c.mesh}, devices=jax.devices()[:1])
+  c.mesh = ml_collections.ConfigDict({k: 1 for k in c.mesh})
+  c.data.batch_size = 1
+  shapes = jax.eval_shape(make_steps(c, mesh).init, jax.random.key(0)).params
+  total = routed = 0
+  for module, leaves in shapes.items():
+    for name, leaf in leaves.items():
+      size = math.prod(leaf.shape)
+      total += size
+      routed += size if module.endswith("/moe") and name in ("wi_0", "wi_1", "wo") else 0
+  m = config.moe
+  active = total - routed + routed * m.num_experts_per_tok / m.num_experts
+  tokens = config.data.batch_size * config.data.seq_len
+  attention = (12 * config.num_layers * config.num_heads * config.head_dim *
+               config.data.seq_len / 2 * tokens)
+  return {"params": total, "active_params": active, "tokens": tokens,
+          "six_n_t": 6 * active * tokens, "attention_flops": attention}
 
 
 def per_device_bytes(a: jax.ShapeDtypeStruct) -> int:
@@ -139,23 +173,30 @@ def main(argv):
   except ValueError as e:
     raise app.UsageError(str(e)) from None
   rows = [compile_variant(config, devices, v) for v in _VARIANTS.value]
+  model = model_flops(config)
   print(json.dumps({"topology": _TOPOLOGY.value, "devices": len(devices),
                     "platform": devices[0].platform, "mesh": dict(config.mesh),
-                    "results": rows}, indent=2))
+                    "model": model, "results": rows}, indent=2))
   capped = next((r["total_bytes"] for r in rows if r["variant"] == "capped"), None)
   hbm = HBM_GIB.get(_TOPOLOGY.value.split("-")[0].split(":")[0])
   print(f"\nper-device memory, {_TOPOLOGY.value} ({len(devices)} devices), mesh "
         f"{dict(config.mesh)}" + (f", {hbm} GiB HBM per chip" if hbm else ""))
+  print(f"{model['params'] / 1e9:.1f}B parameters, {model['active_params'] / 1e9:.2f}B active; "
+        f"{model['tokens']} tokens per step: 6 x active x tokens = {model['six_n_t']:.3e} FLOPs, "
+        f"+ attention {model['attention_flops']:.3e}")
   print("| variant | total GiB | args GiB | temp GiB | vs capped | compiler accepts temp | "
-        "total fits HBM | compile s |")
-  print("|---|---|---|---|---|---|---|---|")
+        "total fits HBM | compiled FLOPs | / (6NT + attention) | compile s |")
+  print("|---|---|---|---|---|---|---|---|---|---|")
   for r in rows:
     total = r["total_bytes"] / GIB
     ratio = f"{r['total_bytes'] / capped:.2f}x" if capped else "-"
     accepted = "yes" if r["compiled"] else f"no (> {r['hbm_bytes'] / GIB:.2f} GiB)"
     fits = "-" if hbm is None else ("yes" if total <= hbm else "no")
+    flops = r.get("flops")
+    flops_cells = (f"{flops:.3e} | {flops / (model['six_n_t'] + model['attention_flops']):.2f}"
+                   if flops else "- | -")
     print(f"| {r['variant']} | {total:.2f} | {r['argument_bytes'] / GIB:.2f} | "
-          f"{r['temp_bytes'] / GIB:.2f} | {ratio} | {accepted} | {fits} | "
+          f"{r['temp_bytes'] / GIB:.2f} | {ratio} | {accepted} | {fits} | {flops_cells} | "
           f"{r['compile_seconds']} |")
 
 

@@ -1,8 +1,6 @@
-"""Train-step programs: one callable `(state, batch) -> (state, outputs, replayed)` per MoE
-buffer factor, jitted for the run's factor or compiled ahead for an autopilot candidate.
-
-`moe_dropless_fallback='step'` programs wrap the capped step and its dropless replay in
-`StepWithReplay`; the others call the train step directly (`replayed` is then False).
+"""Train-step programs: one `(state, batch) -> (state, outputs)` per MoE buffer factor, the
+run's own jitted step or one compiled ahead for an autopilot candidate (a `'step'`-mode
+program holds its replay in-graph, `launch.steps`).
 """
 from __future__ import annotations
 
@@ -15,21 +13,6 @@ from jax.sharding import Mesh
 from launch.autopilot import Program
 from launch.steps import Steps, make_steps
 from moe_hk import aot
-from moe_hk.step_replay import StepWithReplay, any_overflow
-
-Runner = Callable[..., tuple]  # (state, batch) -> (state, outputs, replayed)
-
-
-def runner(train: Callable, replay: Callable | None) -> Runner:
-  """The step as `(state, batch) -> (state, outputs, replayed)`."""
-  if replay is None:
-    return lambda state, batch: (*train(state, batch), False)
-  replaying = StepWithReplay(train, replay, lambda out: any_overflow(out[1]["moe_stats"]))
-  def run(state, batch):
-    (state, outputs), replayed = replaying(state, batch)
-    return state, outputs, replayed
-  return run
-
 
 def with_factor(config: ml_collections.ConfigDict, factor: float) -> ml_collections.ConfigDict:
   """A copy of `config` whose MoE layers use `ragged_buffer_factor=factor`."""
@@ -40,19 +23,16 @@ def with_factor(config: ml_collections.ConfigDict, factor: float) -> ml_collecti
 
 def compiler(config: ml_collections.ConfigDict, mesh: Mesh, steps: Steps
              ) -> Callable[[float], Program]:
-  """`factor -> Program`: lowers and compiles the train step (and its replay) of `config` at
-  `factor` for the run's state and batch shapes; memory is the larger program's total
-  (arguments + outputs + temporaries - aliased) per device."""
+  """`factor -> Program`: lowers and compiles the train step of `config` at `factor` for the
+  run's state and batch shapes; memory is its total (arguments + outputs + temporaries -
+  aliased) per device."""
   state = aot.abstract_like(jax.eval_shape(steps.init, jax.random.key(0)), steps.state_sharding)
   batch = jax.ShapeDtypeStruct((config.data.batch_size, config.data.seq_len + 1), "int32",
                                sharding=steps.batch_sharding)
 
   def compile_factor(factor: float) -> Program:
-    candidate = make_steps(with_factor(config, factor), mesh)
-    train = candidate.train.lower(state, batch).compile()
-    replay = None if candidate.replay is None else candidate.replay.lower(state, batch).compile()
-    memory = max(aot.total_memory_bytes(p) for p in (train, replay) if p is not None)
-    return Program(float(factor), runner(train, replay), memory)
+    train = make_steps(with_factor(config, factor), mesh).train.lower(state, batch).compile()
+    return Program(float(factor), train, aot.total_memory_bytes(train))
   return compile_factor
 
 

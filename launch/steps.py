@@ -2,7 +2,8 @@
 
 Shared by the training loop (`launch.trainer`) and the AOT compiler (`launch.aot`), so both
 compile exactly the same step: params and Adam state sharded FSDP-style (`launch.sharding`),
-the batch `[B, S + 1]` sharded over every mesh axis, the state donated.
+the batch `[B, S + 1]` sharded over every mesh axis, the state donated (in every MoE fallback
+mode, `'step'` included).
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from launch import sharding
 from launch.model import Transformer, cross_entropy, moe_config
-from moe_hk import fallback
+from moe_hk import fallback, step_replay
 
 
 class TrainState(NamedTuple):
@@ -31,7 +32,6 @@ class Steps(NamedTuple):
   """Jitted functions of one (config, mesh) and the shardings they use."""
   init: Callable[[jax.Array], TrainState]                      # rng -> state
   train: Callable[[TrainState, jax.Array], tuple[TrainState, dict]]
-  replay: Callable[[TrainState, jax.Array], tuple[TrainState, dict]] | None  # step mode only
   eval_loss: Callable[[hk.Params, jax.Array], jax.Array]
   state_sharding: Any
   batch_sharding: NamedSharding
@@ -65,9 +65,10 @@ def _transformed(config, mesh: Mesh, replay: bool, chunk_loop) -> hk.Transformed
 
 def make_steps(config: ml_collections.ConfigDict, mesh: Mesh,
                chunk_loop: fallback.ChunkLoop = fallback.scan_chunks) -> Steps:
-  """Builds the jitted steps. In `moe.dropless_fallback='step'` mode `replay` is the same step
-  with every MoE layer on the chunked dropless path, and neither step donates the state (a
-  discarded attempt must leave it intact); otherwise the state is donated."""
+  """Builds the jitted steps; the train step donates the state. In
+  `moe.moe_dropless_fallback='step'` mode the train step replays itself in-graph with every
+  MoE layer on the chunked dropless path when any layer overflowed (`moe_hk.step_replay`);
+  its outputs then hold `replayed` (bool scalar)."""
   layer_config = moe_config(config)
   step_mode = layer_config.moe_dropless_fallback == "step"
   tx, schedule = make_optimizer(config)
@@ -82,22 +83,33 @@ def make_steps(config: ml_collections.ConfigDict, mesh: Mesh,
   shapes = jax.eval_shape(init, jax.random.key(0))
   state_sharding = sharding.state_shardings(shapes, mesh, layer_config, tx)
 
-  def train_step(transformed, state, batch):
+  def grads_of(transformed):
+    """(state, batch) -> ((cross-entropy, MoEStats, gradient norm), gradients)."""
     grad_fn = jax.value_and_grad(functools.partial(loss_fn, transformed, config), has_aux=True)
-    (_, (ce, stats)), grads = grad_fn(state.params, batch, state.step)
-    updates, opt_state = tx.update(grads, state.opt_state, state.params)
-    new_state = TrainState(state.step + 1, optax.apply_updates(state.params, updates), opt_state)
-    return new_state, {"loss": ce, "grad_norm": optax.tree.norm(grads),
-                       "learning_rate": schedule(state.step), "moe_stats": stats}
+    def grads(state, batch):
+      (_, (ce, stats)), gradients = grad_fn(state.params, batch, state.step)
+      return (ce, stats, optax.tree.norm(gradients)), gradients
+    return grads
 
-  def jit_step(transformed):
-    return jax.jit(functools.partial(train_step, transformed),
-                   in_shardings=(state_sharding, batch_sharding),
-                   out_shardings=(state_sharding, None),
-                   donate_argnums=() if step_mode else (0,))
+  def apply(state, gradients):
+    updates, opt_state = tx.update(gradients, state.opt_state, state.params)
+    return TrainState(state.step + 1, optax.apply_updates(state.params, updates), opt_state)
 
-  replay = jit_step(_transformed(config, mesh, True, chunk_loop)) if step_mode else None
+  def train_step(state, batch):
+    if step_mode:
+      replay = grads_of(_transformed(config, mesh, True, chunk_loop))
+      new_state, (ce, stats, grad_norm), replayed = step_replay.step_with_replay(
+          grads_of(model), replay, apply, state, batch)
+      extra = {"replayed": replayed}
+    else:
+      (ce, stats, grad_norm), gradients = grads_of(model)(state, batch)
+      new_state, extra = apply(state, gradients), {}
+    return new_state, {"loss": ce, "grad_norm": grad_norm,
+                       "learning_rate": schedule(state.step), "moe_stats": stats, **extra}
+
   eval_loss = jax.jit(lambda params, batch: loss_fn(model, config, params, batch, None)[1][0],
                       in_shardings=(state_sharding.params, batch_sharding))
-  return Steps(jax.jit(init, out_shardings=state_sharding), jit_step(model), replay, eval_loss,
-               state_sharding, batch_sharding, schedule)
+  train = jax.jit(train_step, in_shardings=(state_sharding, batch_sharding),
+                  out_shardings=(state_sharding, None), donate_argnums=(0,))
+  return Steps(jax.jit(init, out_shardings=state_sharding), train, eval_loss, state_sharding,
+               batch_sharding, schedule)

@@ -4,7 +4,8 @@ Builds the mesh and the jitted steps (`launch.steps`); restores the latest orbax
 `workdir/checkpoints` if any; trains with the MoE metrics pipeline (TensorBoard tags and
 alerts in `workdir`), periodic eval and checkpoints (train state, data iterator, the MoE
 metrics' trailing windows); on SIGTERM finishes the current step, checkpoints it and returns.
-In `moe.moe_dropless_fallback='step'` mode an overflowing step is replayed dropless. Works the
+In `moe.moe_dropless_fallback='step'` mode an overflowing step replays itself dropless within
+the same compiled step (its outputs say whether it did). Works the
 same with one process or many (`jax.distributed`).
 """
 from __future__ import annotations
@@ -133,8 +134,6 @@ class _Pending(NamedTuple):
   """A step whose outputs are still on the device."""
   step: int
   outputs: dict        # loss, grad_norm, learning_rate, moe_stats (device arrays)
-  replayed: bool       # step mode: the outputs come from the dropless replay
-  replays: int | None  # step mode: replays so far
   factor: float        # the ragged_buffer_factor of the program that ran it
 
 
@@ -152,6 +151,7 @@ class _Reporter:
     self.recorder = recorder
     self.pilot = pilot
     self.losses: list[float] = []
+    self.replays = 0  # step mode: steps replayed so far (moe/step_replays)
     self._since = time.perf_counter()
 
   def flush(self, pending: list[_Pending]) -> None:
@@ -165,10 +165,13 @@ class _Reporter:
       if p is pending[-1]:
         extra["train/tokens_per_second"] = (self.tokens_per_step * len(pending) /
                                             (now - self._since))
+      replayed = bool(out.get("replayed", False))
+      self.replays += replayed
       if self.config.moe_metrics:
         extra["moe/ragged_buffer_factor"] = p.factor
-        self.moe_metrics.report_step(p.step, out["moe_stats"], attempt=int(p.replayed),
-                                     replays=p.replays, extra_scalars=extra)
+        self.moe_metrics.report_step(p.step, out["moe_stats"], attempt=int(replayed),
+                                     replays=self.replays if "replayed" in out else None,
+                                     extra_scalars=extra)
       else:
         self.moe_metrics.writer.write_scalars(p.step, extra)
       if self.pilot is not None:
@@ -233,8 +236,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
 
   The host runs ahead of the device: step outputs stay on the device and are fetched every
   `config.log_every` steps (and before an eval, a checkpoint or a stop), each step still
-  getting its own TensorBoard points. (`moe_dropless_fallback='step'` reads one overflow
-  flag per step.) With `config.moe.autotune_ragged_buffer_factor` the autopilot swaps in
+  getting its own TensorBoard points. With `config.moe.autotune_ragged_buffer_factor` the autopilot swaps in
   programs for other buffer factors at step boundaries.
   """
   validate(config)
@@ -263,7 +265,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
       if pilot is not None and factor != m.ragged_buffer_factor:
         run = pilot.cache.compile_now(factor).step  # resumed at the autopilot's factor
       else:
-        run = programs.runner(steps.train, steps.replay)
+        run = steps.train
         if pilot is not None:
           pilot.cache.add(autopilot.Program(factor, run, None))
       recorder = (traffic.TrafficRecorder(
@@ -275,15 +277,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
       report = periodic_actions.ReportProgress(num_train_steps=config.train_steps,
                                                writer=moe_metrics.writer.clu_writer)
       pending: list[_Pending] = []
-      replays = 0
       for step in range(int(state.step), config.train_steps):
         switched = None if pilot is None else pilot.switch(step)
         if switched is not None:
           run, factor = switched.step, switched.factor
         batch = _place_batch(data.train_batch(step), steps, batch_rows)
-        state, out, replayed = run(state, batch)
-        replays += replayed
-        pending.append(_Pending(step, out, replayed, replays if steps.replay else None, factor))
+        state, out = run(state, batch)
+        pending.append(_Pending(step, out, factor))
         done = step + 1 == config.train_steps
         evaluate = (step + 1) % config.eval_every == 0 or done
         boundary = (evaluate or manager.should_save(step + 1) or

@@ -33,7 +33,8 @@ class MoEConfig:
   # Receive buffer per EP shard = factor x balanced rows (T * K); -1 = worst case (never drops).
   ragged_buffer_factor: float = -1.0
   # What happens when a shard's buffer would overflow: 'none' drops rows, 'layer' reruns the
-  # layer dropless over token chunks, 'step' replays the train step (ring-of-experts only).
+  # layer dropless over token chunks, 'step' recomputes the whole train step with every MoE
+  # layer chunked and dropless when any layer overflowed (either path; one compiled step).
   moe_dropless_fallback: str = "none"
   # 0 picks the fewest token chunks whose worst-case buffer fits the capped one.
   dropless_fallback_num_chunks: int = 0
@@ -84,10 +85,6 @@ class MoEConfig:
     self._check_choice("gmm_impl", GMM_IMPLS)
     self._check_choice("router_score", ROUTER_SCORES)
     self._normalise_dtype()
-    if self.moe_dropless_fallback == "step" and not self.use_ring_of_experts:
-      _fail("moe_dropless_fallback", "step",
-            "'step' replays the train step when a ring-of-experts layer overflows and needs "
-            "use_ring_of_experts=True; use 'layer' on the all-to-all path")
     chunks = self.dropless_fallback_num_chunks
     if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 0:
       _fail("dropless_fallback_num_chunks", chunks, "must be 0 (automatic) or a positive integer")

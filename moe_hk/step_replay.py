@@ -1,9 +1,19 @@
-"""`moe_dropless_fallback='step'`: discard a train step whose MoE layers overflowed, replay it.
+"""`moe_dropless_fallback='step'`: one compiled train step that replays itself dropless when any
+MoE layer overflowed, with the train state donated.
 
-The first attempt runs every layer capped (ring of experts). If any layer's capped buffer
-would have dropped rows, its update is thrown away and the same step (same batch, same RNG,
-same state) is run again with the replay graph, in which every MoE layer takes the chunked
-dropless path (`MoEConfig.for_step_replay()`), so memory stays at the capped level.
+The step first runs every MoE layer capped. If any capped buffer would have dropped rows, the
+same step (same batch, same state) is computed again in the same program by the replay graph,
+in which every MoE layer takes the chunked dropless path (`MoEConfig.for_step_replay()`), so
+memory stays at the capped level. Two `lax.cond`s on the one overflow flag order it so that
+no second copy of the state and no second set of gradients is ever alive:
+
+  1. the capped gradients are applied unless the step overflowed (the state is returned
+     unchanged if it did), after which they are dead;
+  2. if it overflowed, the replay's gradients are computed from that (unchanged) state and
+     applied.
+
+Under a cond's autodiff both branches' residuals would be kept, but nothing here is
+differentiated through a cond: each branch takes its own gradients.
 """
 from __future__ import annotations
 
@@ -13,6 +23,11 @@ import jax
 import jax.numpy as jnp
 
 from moe_hk.stats import MoEStats
+
+# (state, *args) -> (aux outputs containing MoEStats, gradients)
+GradFn = Callable[..., tuple[Any, Any]]
+# (state, gradients) -> new state
+ApplyFn = Callable[[Any, Any], Any]
 
 
 def any_overflow(tree: Any) -> jax.Array:
@@ -24,25 +39,22 @@ def any_overflow(tree: Any) -> jax.Array:
   return jnp.any(jnp.stack([jnp.max(s.would_drop_rows) for s in stats]) > 0)
 
 
-class StepWithReplay:
-  """Runs `step(*args)`; when `overflowed(outputs)` is true, returns `replay_step(*args)`.
+def step_with_replay(grads: GradFn, replay_grads: GradFn, apply: ApplyFn, state: Any,
+                     *args: Any) -> tuple[Any, Any, jax.Array]:
+  """The train step `apply(state, grads(state, *args))`, replayed with `replay_grads` when the
+  capped attempt overflowed. Traced inside the caller's jit (which may donate `state`).
 
-  `step` and `replay_step` are the same train step built from the layer config and from
-  `config.for_step_replay()`. Neither may donate its arguments: a discarded attempt must
-  leave the state intact for the replay. Reading the flag moves one scalar to the host.
+  `grads` and `replay_grads` are the same gradient computation built from the layer config and
+  from `config.for_step_replay()`; both return `(aux, gradients)` of identical structure, aux
+  holding the `MoEStats` that `any_overflow` reads. Returns `(new state, aux of the attempt
+  that was applied, replayed: bool scalar)`.
   """
+  aux, capped_grads = grads(state, *args)
+  replayed = any_overflow(aux)
+  state = jax.lax.cond(replayed, lambda s, _: s, apply, state, capped_grads)
 
-  def __init__(self, step: Callable[..., Any], replay_step: Callable[..., Any],
-               overflowed: Callable[[Any], jax.Array] = any_overflow):
-    self.step = step
-    self.replay_step = replay_step
-    self.overflowed = overflowed
-    self.replays = 0  # Steps replayed so far (reported as moe/step_replays).
-
-  def __call__(self, *args) -> tuple[Any, bool]:
-    """Returns the step's outputs and whether they come from a replay."""
-    outputs = self.step(*args)
-    if not bool(jax.device_get(self.overflowed(outputs))):
-      return outputs, False
-    self.replays += 1
-    return self.replay_step(*args), True
+  def replay(s):
+    replay_aux, replay_gradients = replay_grads(s, *args)
+    return apply(s, replay_gradients), replay_aux
+  state, aux = jax.lax.cond(replayed, replay, lambda s: (s, aux), state)
+  return state, aux, replayed

@@ -23,7 +23,6 @@ BASE = dict(num_experts=8, num_experts_per_tok=2, emb_dim=16, mlp_dim=32)
     (dict(ragged_buffer_factor=-2), r"ragged_buffer_factor=-2"),
     (dict(ragged_buffer_factor=-0.5), r"ragged_buffer_factor=-0.5"),
     (dict(moe_dropless_fallback="always"), r"moe_dropless_fallback='always' .*'none', 'layer', 'step'"),
-    (dict(moe_dropless_fallback="step"), r"'step' .*use_ring_of_experts=True"),
     (dict(a2a_impl="nccl"), r"a2a_impl='nccl' .*'auto', 'native', 'emulated'"),
     (dict(gmm_impl="megablox"), r"gmm_impl='megablox'"),
     (dict(router_score="relu"), r"router_score='relu' .*'softmax', 'sigmoid'"),
@@ -44,7 +43,8 @@ def test_bad_values_name_field_value_and_range(changes, pattern):
 def test_good_values_accepted():
   for mode in ("none", "layer"):
     moe_hk.MoEConfig(**BASE, moe_dropless_fallback=mode)
-  moe_hk.MoEConfig(**BASE, moe_dropless_fallback="step", use_ring_of_experts=True)
+  for ring in (False, True):  # 'step' runs on both paths (DESIGN.md §10)
+    moe_hk.MoEConfig(**BASE, moe_dropless_fallback="step", use_ring_of_experts=ring)
   moe_hk.MoEConfig(**BASE, ragged_buffer_factor=-1)
   moe_hk.MoEConfig(**BASE, ragged_buffer_factor=0.25)
   for chunking in ("fixed", "adaptive"):

@@ -119,13 +119,12 @@ def test_infeasible_fallback_is_an_error_not_a_silent_drop():
     jax.jit(_layer(config, mesh))(params, x)
 
 
-def test_step_mode_needs_ring_and_replay_needs_step():
-  with pytest.raises(ValueError, match=r"use_ring_of_experts=True"):
-    _config(8, 2, 0.5, moe_dropless_fallback="step")
+def test_replay_needs_step_mode_on_either_path():
   with pytest.raises(ValueError, match=r"for_step_replay\(\) needs moe_dropless_fallback='step'"):
     _config(8, 2, 0.5, moe_dropless_fallback="layer").for_step_replay()
-  assert _config(8, 2, 0.5, moe_dropless_fallback="step",
-                 use_ring_of_experts=True).for_step_replay().step_replay
+  for ring in (False, True):
+    assert _config(8, 2, 0.5, moe_dropless_fallback="step",
+                   use_ring_of_experts=ring).for_step_replay().step_replay
   _config(8, 2, 0.5, moe_dropless_fallback="layer", use_ring_of_experts=True)
 
 

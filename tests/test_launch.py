@@ -11,12 +11,14 @@ import sys
 import sysconfig
 import time
 
+import jax
 import numpy as np
 import pytest
 
 import moe_hk
 from launch import capacity, model, trainer
 from launch.configs import tiny
+from launch.steps import make_steps
 from metrics import traffic
 from tests.test_metrics_tensorboard import read_images, read_scalars
 
@@ -127,17 +129,18 @@ def test_resumed_run_matches_uninterrupted_run(tmp_path):
 
 @pytest.mark.slow
 def test_step_replay_mode_matches_layer_fallback(tmp_path):
-  """Ring of experts: replaying overflowing steps dropless gives the loss curve of the
-  in-layer fallback (both are the dropless model), a step is replayed exactly when the layer
-  run fell back at that step, and the capped model without a fallback ('none') differs."""
-  def ring(mode, **overrides):
+  """All-to-all path (the ring's is tested at the layer, tests/test_step_replay.py): the step
+  that replays itself dropless when it overflowed, its state donated, gives the loss curve of
+  the in-layer fallback (both are the dropless model), a step is replayed exactly when the
+  layer run fell back at that step, and the capped model without a fallback ('none') differs."""
+  def mode(name, **overrides):
     c = tiny_config(train_steps=4, **overrides)
-    c.moe.use_ring_of_experts, c.moe.moe_dropless_fallback = True, mode
+    c.moe.moe_dropless_fallback = name
     return c
-  layer = trainer.train_and_evaluate(ring("layer"), str(tmp_path / "layer"))
-  replayed = trainer.train_and_evaluate(ring("step"), str(tmp_path / "step"))
+  layer = trainer.train_and_evaluate(mode("layer"), str(tmp_path / "layer"))
+  replayed = trainer.train_and_evaluate(mode("step"), str(tmp_path / "step"))
   # The 'none' run also shows `moe_metrics=False`: training scalars only, nothing of the MoE's.
-  capped = trainer.train_and_evaluate(ring("none", moe_metrics=False), str(tmp_path / "none"))
+  capped = trainer.train_and_evaluate(mode("none", moe_metrics=False), str(tmp_path / "none"))
   quiet = read_scalars(str(tmp_path / "none"))
   np.testing.assert_allclose([quiet["train/loss"][s] for s in range(4)], capped, rtol=1e-6)
   assert not [t for t in quiet if t.startswith(("moe/", "learning/moe"))], sorted(quiet)
@@ -149,6 +152,15 @@ def test_step_replay_mode_matches_layer_fallback(tmp_path):
   per_step = np.diff([0] + [total[s] for s in range(4)])
   np.testing.assert_array_equal(per_step, [fell_back[s] > 0 for s in range(4)])
   assert per_step.sum() >= 1
+  # One compiled step, its train state donated (no second copy of params and Adam state).
+  config = mode("step")
+  steps = make_steps(config, moe_hk.make_mesh(**config.mesh))
+  state = steps.init(jax.random.key(0))
+  batch = jax.device_put(np.zeros((config.data.batch_size, config.data.seq_len + 1), np.int32),
+                         steps.batch_sharding)
+  _, out = steps.train(state, batch)
+  assert out["replayed"].dtype == bool
+  assert all(leaf.is_deleted() for leaf in jax.tree.leaves(state))
 
 
 @pytest.mark.slow
@@ -218,8 +230,9 @@ def test_two_processes_over_gloo_match_one_process(tmp_path):
     ("--config.attention_block=5", "config.attention_block=5 must be 0 (whole sequence) or a "
                                    "divisor of config.data.seq_len=32"),
     ("--config.num_layers=3", "config.moe_every=2 must divide config.num_layers=3"),
-    ("--config.moe.moe_dropless_fallback=step", "'step' replays the train step when a "
-                                                "ring-of-experts layer overflows"),
+    ("--config.moe.moe_dropless_fallback=always", "MoEConfig.moe_dropless_fallback='always' "
+                                                  "is invalid: must be one of 'none', 'layer', "
+                                                  "'step'"),
     ("--config.moe.dropless_fallback=layer", "--config.moe.dropless_fallback: no such config "
                                              "key (closest: config.moe.moe_dropless_fallback"),
     ("--config.moe.expert_axis=model", "config.moe.expert_axis='model' must be one of the "
