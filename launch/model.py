@@ -3,9 +3,9 @@
 Shapes: B batch, S sequence, D model width, H query heads, G key/value heads, Dh head dim,
 V vocabulary, n layer groups. Blocks come in groups of `moe_every`: `moe_every - 1` dense
 SwiGLU blocks, then one MoE block (`moe_hk.MoELayer`, plus an optional shared expert). The
-groups run in an `hk.layer_stack` (a scan: one compiled group however deep the model),
-rematerialised with `nothing_saveable` when `config.remat` is set. Parameters are float32;
-matmuls run in `config.dtype`.
+groups run in an `hk.layer_stack` (a scan: one compiled group however deep the model), each
+group rematerialised in the backward under `config.remat_policy` (`REMAT_POLICIES`).
+Parameters are float32; matmuls run in `config.dtype`.
 """
 from __future__ import annotations
 
@@ -18,9 +18,11 @@ import haiku as hk
 import jax
 import jax.numpy as jnp
 import ml_collections
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh
 
 import moe_hk
+from launch import attention as attention_lib
 from moe_hk import fallback
 
 
@@ -29,6 +31,20 @@ class ModelOutput(NamedTuple):
   embeddings: jax.Array       # [V, D] float32, the tied input/output embedding.
   moe_stats: moe_hk.MoEStats  # per MoE block, stacked: each field has a leading [n] axis.
 
+
+# `config.remat_policy` -> what the backward keeps of a layer group's forward (None: the group
+# is not rematerialised, every residual is kept). Granularity: the dense+MoE group, whose
+# inputs are the only residuals 'full' keeps (one [B, S, D] per group).
+REMAT_POLICIES = {
+    "none": None,
+    # Everything recomputed: the least memory, one extra forward.
+    "full": jax.checkpoint_policies.nothing_saveable,
+    # Keeps each block's attention output and the MoE output (the two costliest to recompute:
+    # attention's S^2 work, and the MoE's all-to-alls and grouped matmuls), recomputes the
+    # rest: per group 2 x moe_every - 1 more [B, S, D] arrays kept, less recompute.
+    "save_attention_moe": jax.checkpoint_policies.save_only_these_names("attention_out",
+                                                                       "moe_out"),
+}
 
 # Keys of `config.moe` that configure the launcher (its MoE block, the buffer-factor
 # autopilot, the traffic recorder), not the `MoEConfig`.
@@ -88,43 +104,18 @@ def rotary(x: jax.Array, base: float = 10_000.0) -> jax.Array:
   return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x.dtype)
 
 
-def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, block: int) -> jax.Array:
-  """Grouped-query causal attention: `q [B, S, G, H/G, Dh]`, `k, v [B, S, G, Dh]` -> like q.
-
-  `block` > 0 computes queries in blocks of that many positions in a checkpointed scan, so
-  at most a `[B, G, H/G, block, S]` score block is live (forward and backward) instead of
-  `[B, H, S, S]`; `block` = 0 does one block of S.
-  """
-  seq, head_dim = q.shape[1], q.shape[-1]
-  block = block or seq
-  if seq % block:
-    raise ValueError(f"attention_block={block} must divide the sequence length {seq}.")
-
-  def one_block(q_blk, start):
-    scores = jnp.einsum("bsgrd,btgd->bgrst", q_blk, k, preferred_element_type=jnp.float32)
-    query_pos = start + jnp.arange(q_blk.shape[1])
-    causal = query_pos[:, None] >= jnp.arange(seq)[None, :]
-    probs = jax.nn.softmax(jnp.where(causal, scores / math.sqrt(head_dim), -1e30), axis=-1)
-    return jnp.einsum("bgrst,btgd->bsgrd", probs.astype(v.dtype), v)
-
-  if block == seq:
-    return one_block(q, 0)
-  blocks = q.reshape(q.shape[0], seq // block, block, *q.shape[2:]).swapaxes(0, 1)
-  starts = jnp.arange(seq // block) * block
-  body = jax.checkpoint(one_block, policy=jax.checkpoint_policies.nothing_saveable)
-  out = jax.lax.scan(lambda c, xs: (c, body(*xs)), None, (blocks, starts))[1]
-  return out.swapaxes(0, 1).reshape(q.shape)
-
-
-def attention(x: jax.Array, c: ml_collections.ConfigDict) -> jax.Array:
-  """Causal grouped-query attention with rotary embeddings: `[B, S, D] -> [B, S, D]`."""
+def attention(x: jax.Array, c: ml_collections.ConfigDict, mesh: Mesh) -> jax.Array:
+  """Causal grouped-query attention with rotary embeddings: `[B, S, D] -> [B, S, D]`, in the
+  form `config.attention_impl` names for the mesh's platform (`launch.attention`)."""
   b, s, _ = x.shape
   groups, per_group = c.num_kv_heads, c.num_heads // c.num_kv_heads
   q = dense(x, c.num_heads * c.head_dim, "q").reshape(b, s, groups, per_group, c.head_dim)
   k = dense(x, groups * c.head_dim, "k").reshape(b, s, groups, c.head_dim)
   v = dense(x, groups * c.head_dim, "v").reshape(b, s, groups, c.head_dim)
-  out = causal_attention(rotary(q), rotary(k), v, c.attention_block)
-  return dense(out.reshape(b, s, -1), x.shape[-1], "o")
+  impl = attention_lib.resolve_impl(c.attention_impl, mesh.devices.flat[0].platform)
+  out = attention_lib.causal_attention(rotary(q), rotary(k), v, impl=impl,
+                                       block=c.attention_block, mesh=mesh)
+  return checkpoint_name(dense(out.reshape(b, s, -1), x.shape[-1], "o"), "attention_out")
 
 
 def swiglu(x: jax.Array, hidden: int) -> jax.Array:
@@ -156,12 +147,13 @@ class Transformer(hk.Module):
     stats = None
     for i in range(c.moe_every):
       with hk.name_scope(f"block_{i}"):
-        x = x + attention(rms_norm(x, "attention_norm"), c)
+        x = x + attention(rms_norm(x, "attention_norm"), c, self.mesh)
         h = rms_norm(x, "mlp_norm")
         if i == c.moe_every - 1:
           layer = moe_hk.MoELayer(self.moe_config, self.mesh, chunk_loop=self.chunk_loop,
                                   name="moe")
           y, stats = layer(h, step=step, layer_index=moe_index, return_stats=True)
+          y = checkpoint_name(y, "moe_out")
           if c.moe.shared_expert:
             with hk.name_scope("shared_expert"):
               y = y + swiglu(h, c.moe.mlp_dim)
@@ -176,8 +168,9 @@ class Transformer(hk.Module):
     embed = hk.Embed(c.vocab_size, c.emb_dim, name="embed")
     x = embed(tokens).astype(jnp.dtype(c.dtype))
     group = lambda x_, index: self._group(x_, index, step)
-    if c.remat:
-      group = hk.remat(group, policy=jax.checkpoint_policies.nothing_saveable)
+    policy = REMAT_POLICIES[c.remat_policy]
+    if policy is not None:
+      group = hk.remat(group, policy=policy)
     num_groups = c.num_layers // c.moe_every
     x, stats = hk.layer_stack(num_groups, with_per_layer_inputs=True, name="groups")(group)(
         x, jnp.arange(num_groups, dtype=jnp.int32))

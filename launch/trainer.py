@@ -28,7 +28,8 @@ import metrics
 import moe_hk
 from launch import autopilot, programs
 from launch import data as data_lib
-from launch.model import moe_config
+from launch.attention import ATTENTION_IMPLS
+from launch.model import REMAT_POLICIES, moe_config
 from launch.steps import Steps, make_steps
 from metrics import traffic
 
@@ -77,6 +78,12 @@ def validate(config: ml_collections.ConfigDict, devices: int | None = None) -> N
   _require(config.num_heads % config.num_kv_heads == 0,
            f"config.num_heads={config.num_heads} must be divisible by "
            f"config.num_kv_heads={config.num_kv_heads}.")
+  _require(config.attention_impl in ATTENTION_IMPLS,
+           f"config.attention_impl={config.attention_impl!r} must be one of "
+           f"{', '.join(repr(a) for a in ATTENTION_IMPLS)}.")
+  _require(config.remat_policy in REMAT_POLICIES,
+           f"config.remat_policy={config.remat_policy!r} must be one of "
+           f"{', '.join(repr(p) for p in REMAT_POLICIES)}.")
   for name in ("attention_block", "loss_chunk"):
     _require(config[name] >= 0 and (config[name] == 0 or seq % config[name] == 0),
              f"config.{name}={config[name]} must be 0 (whole sequence) or a divisor of "

@@ -44,10 +44,9 @@ def combine_rows(rows: jax.Array, weights: jax.Array) -> jax.Array:
 def grouped_experts_mlp(rows: jax.Array, experts: ExpertWeights, group_sizes: jax.Array,
                         config: MoEConfig, gmm_impl: str) -> jax.Array:
   """SwiGLU of rows `[R, D]` grouped by local expert (`group_sizes [L]`, then padding rows,
-  which come back 0) in the compute dtype -> `[R, D]`."""
-  cast = lambda w: w.astype(config.compute_dtype)
-  return expert_mlp(rows, cast(experts.wi_0), cast(experts.wi_1), cast(experts.wo), group_sizes,
-                    gmm_impl, config.gmm_block_rows)
+  which come back 0) with `experts` in the compute dtype -> `[R, D]`."""
+  return expert_mlp(rows, experts.wi_0, experts.wi_1, experts.wo, group_sizes, gmm_impl,
+                    config.gmm_block_rows)
 
 
 def gather_counts(expert_ids: jax.Array, config: MoEConfig) -> jax.Array:

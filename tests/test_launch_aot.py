@@ -1,7 +1,11 @@
 """`launch.aot`: the launcher's train step compiled for TPU topologies and CPU meshes."""
+import jax
 import pytest
 
+import moe_hk
 from launch import aot
+from launch.steps import make_steps
+from moe_hk import aot as moe_aot
 from launch.configs import tiny
 
 
@@ -36,6 +40,26 @@ def test_train_step_memory_per_variant(topology):
   assert rows["fallback_scan"]["total_bytes"] < rows["fallback_unrolled"]["total_bytes"]
 
 
+@pytest.mark.slow
+def test_train_step_with_splash_attention_compiles_for_v5p():
+  """The launcher's step (tiny model at a sequence splash tiles, 128) with
+  `attention_impl='splash'` compiles for a v5p slice: the forward and backward kernels are
+  Mosaic custom calls in the compiled program. On a CPU mesh 'splash' is refused."""
+  config = tiny.get_config()
+  config.attention_impl, config.data.seq_len = "splash", 128
+  devices = aot.topology_devices("v5p-16")
+  mesh = moe_hk.make_mesh(**config.mesh, devices=devices)
+  steps = make_steps(config, mesh)
+  state = moe_aot.abstract_like(jax.eval_shape(steps.init, jax.random.key(0)),
+                                steps.state_sharding)
+  batch = jax.ShapeDtypeStruct((config.data.batch_size, 129), "int32",
+                               sharding=steps.batch_sharding)
+  hlo = steps.train.lower(state, batch).compile().as_text()
+  assert hlo.count('custom_call_target="tpu_custom_call"') >= 3  # forward, dq, dkv
+  with pytest.raises(ValueError, match=r"config.attention_impl='splash' runs only on tpu"):
+    make_steps(config, moe_hk.make_mesh(**config.mesh))
+
+
 def test_variant_configs_differ_only_in_the_moe_layers():
   base = tiny.get_config()
   worst = aot.variant_config(base, "worst_case")
@@ -46,3 +70,6 @@ def test_variant_configs_differ_only_in_the_moe_layers():
   assert adaptive.moe.ragged_buffer_factor == base.moe.ragged_buffer_factor
   assert base.moe.moe_dropless_fallback == "layer"  # the config passed in is left alone
   assert adaptive.emb_dim == base.emb_dim and adaptive.mesh == base.mesh
+  step = aot.variant_config(base, "step")
+  assert step.moe.moe_dropless_fallback == "step"
+  assert step.moe.use_ring_of_experts == base.moe.use_ring_of_experts  # the config's path

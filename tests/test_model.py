@@ -1,6 +1,5 @@
-"""launch.model against independent dense references: blocked attention, chunked loss, RMSNorm
-and SwiGLU, and the MoE block's shared expert."""
-import functools
+"""launch.model against independent dense references: chunked loss, RMSNorm and SwiGLU, the
+MoE block's shared expert, and the remat policies (attention: tests/test_attention.py)."""
 import math
 
 import haiku as hk
@@ -27,41 +26,6 @@ def _vjp(fn, args, cotangent):
     out, pullback = jax.vjp(fn, *args_)
     return out, pullback(cotangent_)
   return jax.jit(run)(args, cotangent)
-
-
-def reference_attention(q, k, v):
-  """Causal grouped-query attention, one head at a time: query head (g, r) of `q [B, S, G, R,
-  Dh]` attends with key/value head g of `k, v [B, S, G, Dh]` (repeated R times)."""
-  b, s, g, r, dh = q.shape
-  queries = q.reshape(b, s, g * r, dh)  # head h = g * R + r
-  keys, values = jnp.repeat(k, r, axis=2), jnp.repeat(v, r, axis=2)
-  causal = np.tril(np.ones((s, s), bool))  # query i sees keys 0..i
-  heads = []
-  for h in range(g * r):
-    scores = jnp.einsum("bsd,btd->bst", queries[:, :, h], keys[:, :, h]) / math.sqrt(dh)
-    scores = jnp.where(causal, scores, -jnp.inf)
-    e = jnp.exp(scores - jax.lax.stop_gradient(scores.max(-1, keepdims=True)))
-    heads.append(jnp.einsum("bst,btd->bsd", e / e.sum(-1, keepdims=True), values[:, :, h]))
-  return jnp.stack(heads, axis=2).reshape(q.shape)
-
-
-@pytest.mark.parametrize("block", [0, 1, 4, 16])
-def test_blocked_causal_attention_matches_dense_reference(block):
-  """Outputs and gradients of q, k, v; 0 < block < S runs the checkpointed query-block scan."""
-  b, s, g, r, dh = 2, 16, 2, 3, 8
-  q, k, v, cot = _normal(block, (b, s, g, r, dh), (b, s, g, dh), (b, s, g, dh), (b, s, g, r, dh))
-  attention = functools.partial(model_lib.causal_attention, block=block)
-  assert ("scan" in str(jax.make_jaxpr(attention)(q, k, v))) == (0 < block < s)
-  out, grads = _vjp(attention, (q, k, v), cot)
-  out_ref, grads_ref = _vjp(reference_attention, (q, k, v), cot)
-  assert_trees_close(out, out_ref, what="attention")
-  assert_trees_close(grads, grads_ref, what="d attention / d(q, k, v)")
-
-
-def test_attention_block_must_divide_the_sequence():
-  q, k = _normal(0, (1, 12, 1, 2, 4), (1, 12, 1, 4))
-  with pytest.raises(ValueError, match="attention_block=5"):
-    model_lib.causal_attention(q, k, k, 5)
 
 
 def reference_cross_entropy(hidden, embeddings, targets):
@@ -151,3 +115,39 @@ def test_shared_expert_parameters_gradients_and_contribution():
       {name: leaves for name, leaves in params.items() if name != scope})
   np.testing.assert_array_equal(zeroed, without)
   assert relative_error(hidden, without) > 1e-2
+
+
+@pytest.mark.slow
+def test_remat_policies_give_the_same_step_and_keep_fallback_events():
+  """Every `remat_policy` computes the same loss and gradients on a batch whose MoE layers
+  overflow and fall back, and under each the fallback branch's events reach the host (the
+  trainer's alerts come from them); 'full' and 'save_attention_moe' really rematerialise
+  (the backward recomputes the forward, so the fallback branch calls back twice)."""
+  mesh = moe_hk.make_mesh(data=1, fsdp=1, expert=8)
+  tokens = jax.random.randint(jax.random.key(0), (8, 32), 0, 256)
+  received = []
+  moe_hk.events.add_sink(received.append)
+  try:
+    results = {}
+    for policy in model_lib.REMAT_POLICIES:
+      c = tiny.get_config()
+      c.remat_policy = policy
+      net = hk.transform(lambda t, s, c=c: model_lib.Transformer(c, mesh, name="model")(t, s))
+      params = jax.jit(net.init)(jax.random.key(1), tokens, None)
+      def loss(p, net=net):
+        out = net.apply(p, None, tokens, jnp.int32(7))
+        ce = model_lib.cross_entropy(out.hidden, out.embeddings, jnp.roll(tokens, -1, axis=1))
+        return ce, out.moe_stats
+      (value, stats), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
+      jax.effects_barrier()
+      assert int(jnp.max(stats.fallback)) == 1, f"{policy}: the batch must overflow"
+      fell_back = [e for e in received if e.name == moe_hk.events.FALLBACK_EVENT]
+      layers = int(jnp.sum(stats.fallback))
+      assert len(fell_back) == layers * (1 if policy == "none" else 2), (policy, len(fell_back))
+      received.clear()
+      results[policy] = (value, grads)
+  finally:
+    moe_hk.events.remove_sink(received.append)
+  for policy, (value, grads) in results.items():
+    np.testing.assert_allclose(value, results["none"][0], rtol=1e-5, err_msg=policy)
+    assert_trees_close(grads, results["none"][1], what=policy)

@@ -16,11 +16,15 @@ def get_config() -> ml_collections.ConfigDict:
   c.head_dim = 32
   c.mlp_dim = 256             # dense blocks' SwiGLU width
   c.dtype = "float32"         # compute dtype ('bfloat16' allowed); params stay float32
-  # Rematerialise each layer group in the backward (nothing saved), as large MoE models train.
-  # (Without it, JAX drops the metric callbacks of capped-only MoE layers in the layer scan
-  # under grad, jax-ml/jax#28738; 'layer' fallback layers keep theirs either way.)
-  c.remat = True
-  c.attention_block = 0       # query block of the attention scan; 0 = whole sequence
+  # What the backward keeps of each layer group's forward (launch.model.REMAT_POLICIES):
+  # 'full' (everything recomputed, as large MoE models train), 'save_attention_moe' (keeps
+  # the attention and MoE outputs), 'none' (no remat). The trainer's MoE telemetry comes from
+  # the step's outputs under every policy; only the per-step host callbacks of capped-only
+  # layers (log_required_ragged_buffer_factor) are lost under 'none' (jax-ml/jax#28738).
+  c.remat_policy = "full"
+  # 'auto': splash attention (Pallas) on TPU, cuDNN on GPU, the XLA form on CPU; or name one.
+  c.attention_impl = "auto"
+  c.attention_block = 0       # query block of the XLA form's scan; 0 = whole sequence
   c.loss_chunk = 0            # positions per logits chunk of the loss scan; 0 = whole sequence
   # The MoE layers: every key but shared_expert is a `moe_hk.MoEConfig` field of the same name
   # and meaning (its width and dtype come from emb_dim and dtype above).

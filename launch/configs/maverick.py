@@ -20,8 +20,9 @@ def get_config() -> ml_collections.ConfigDict:
   c.num_heads, c.num_kv_heads, c.head_dim = 40, 8, 128
   c.mlp_dim = 16_384
   c.dtype = "bfloat16"
-  c.remat = True
-  c.attention_block = 512   # a [4, 40, 512, 8192] float32 score block at a time
+  c.remat_policy = "full"
+  c.attention_impl = "auto"  # splash attention on TPU
+  c.attention_block = 512    # with attention_impl='xla': a [4, 40, 512, 8192] f32 score block
   c.loss_chunk = 512        # a [4, 512, 202048] float32 logits block at a time
   c.moe.update(num_experts=128, num_experts_per_tok=1, mlp_dim=8192, ragged_buffer_factor=2.0,
                router_score="sigmoid", shared_expert=True)

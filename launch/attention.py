@@ -1,0 +1,181 @@
+"""Causal grouped-query attention in three forms: blockwise XLA, splash (TPU Pallas), cuDNN.
+
+Shapes: B batch, S sequence, G key/value heads, R query heads per key/value head, Dh head dim.
+Every form takes `q [B, S, G, R, Dh]` and `k, v [B, S, G, Dh]` in the compute dtype, scales
+scores by 1/sqrt(Dh), takes the softmax in float32 and returns `[B, S, G, R, Dh]` in q's dtype.
+`causal_attention` picks the form named by `config.attention_impl` after `resolve_impl`.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas.ops.tpu import splash_attention as splash
+from jax.sharding import Mesh, PartitionSpec as P
+
+ATTENTION_IMPLS = ("auto", "xla", "splash", "cudnn")
+
+# The form 'auto' picks per platform (any other platform gets 'xla'), and where the two kernel
+# forms can run at all.
+_AUTO = {"tpu": "splash", "gpu": "cudnn", "cuda": "cudnn"}
+_RUNS_ON = {"splash": ("tpu",), "cudnn": ("gpu", "cuda")}
+
+# Splash tile sizes, tried largest first: the largest that divides S is used for every query
+# and key/value tile of the forward, dq and dkv kernels. 512 is MaxText's default for long
+# sequences (fewer grid steps, still small in VMEM: a [512, 512] float32 score tile is 1 MiB);
+# 128 is the floor, since the kernel computes key/value tiles a multiple of 128 lanes wide.
+_SPLASH_BLOCKS = (512, 256, 128)
+
+
+def resolve_impl(impl: str, platform: str) -> str:
+  """The attention form for `config.attention_impl` on `platform` ('cpu', 'tpu', 'gpu'/'cuda').
+
+  'auto' is 'splash' on TPU, 'cudnn' on GPU and 'xla' elsewhere; a kernel form asked for
+  off its platform, or an unknown name, is a ValueError.
+  """
+  if impl not in ATTENTION_IMPLS:
+    raise ValueError(f"config.attention_impl={impl!r} is not one of {ATTENTION_IMPLS}.")
+  if impl == "auto":
+    return _AUTO.get(platform, "xla")
+  valid = _valid_on(platform)
+  if impl not in valid:
+    raise ValueError(
+        f"config.attention_impl={impl!r} runs only on {'/'.join(_RUNS_ON[impl])}, not on "
+        f"platform {platform!r}; valid choices there: {valid}.")
+  return impl
+
+
+def _valid_on(platform: str) -> tuple[str, ...]:
+  """The names of ATTENTION_IMPLS that can run on `platform`."""
+  return tuple(i for i in ATTENTION_IMPLS if i not in _RUNS_ON or platform in _RUNS_ON[i])
+
+
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, impl: str, block: int,
+                     mesh: Mesh | None) -> jax.Array:
+  """`q [B, S, G, R, Dh]`, `k, v [B, S, G, Dh]` -> `[B, S, G, R, Dh]` with the resolved `impl`.
+
+  `block` is the XLA form's query block (0: one block); `mesh` is where 'splash' runs its
+  shard_map (the batch sharded over every mesh axis). Each form ignores what it does not use.
+  """
+  if impl == "xla":
+    return xla_attention(q, k, v, block)
+  if impl == "splash":
+    if mesh is None:
+      raise ValueError("attention_impl='splash' runs in shard_map and needs the mesh (got None).")
+    return splash_attention(q, k, v, mesh)
+  if impl == "cudnn":
+    return cudnn_attention(q, k, v)
+  raise ValueError(f"causal_attention(impl={impl!r}): expected a resolved form, one of "
+                   f"{ATTENTION_IMPLS[1:]} (see resolve_impl).")
+
+
+def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array, block: int) -> jax.Array:
+  """Pure-XLA form: `q [B, S, G, R, Dh]`, `k, v [B, S, G, Dh]` -> like q.
+
+  `block` > 0 computes queries in blocks of that many positions in a checkpointed scan, so
+  at most a `[B, G, R, block, S]` score block is live (forward and backward) instead of
+  `[B, G, R, S, S]`; `block` = 0 does one block of S.
+  """
+  seq, head_dim = q.shape[1], q.shape[-1]
+  block = block or seq
+  if seq % block:
+    raise ValueError(f"attention_block={block} must divide the sequence length {seq}.")
+
+  def one_block(q_blk, start):  # [B, block, G, R, Dh], scalar -> [B, block, G, R, Dh]
+    scores = jnp.einsum("bsgrd,btgd->bgrst", q_blk, k, preferred_element_type=jnp.float32)
+    query_pos = start + jnp.arange(q_blk.shape[1])
+    causal = query_pos[:, None] >= jnp.arange(seq)[None, :]
+    probs = jax.nn.softmax(jnp.where(causal, scores / math.sqrt(head_dim), -1e30), axis=-1)
+    return jnp.einsum("bgrst,btgd->bsgrd", probs.astype(v.dtype), v)
+
+  if block == seq:
+    return one_block(q, 0)
+  blocks = q.reshape(q.shape[0], seq // block, block, *q.shape[2:]).swapaxes(0, 1)
+  starts = jnp.arange(seq // block) * block
+  # Recompute each block's scores in the backward rather than saving n [.., block, S] of them.
+  body = jax.checkpoint(one_block, policy=jax.checkpoint_policies.nothing_saveable)
+  out = jax.lax.scan(lambda c, xs: (c, body(*xs)), None, (blocks, starts))[1]
+  return out.swapaxes(0, 1).reshape(q.shape)
+
+
+def splash_block_sizes(seq: int) -> splash.BlockSizes:
+  """Splash tiles for sequence length `seq`: the largest of `_SPLASH_BLOCKS` dividing it."""
+  block = next((b for b in _SPLASH_BLOCKS if seq % b == 0), None)
+  if block is None:
+    raise ValueError(
+        f"splash attention needs the sequence length {seq} to be a multiple of "
+        f"{_SPLASH_BLOCKS[-1]} (its tiles are {_SPLASH_BLOCKS}).")
+  return splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block,
+                           block_q_dkv=block, block_kv_dkv=block, block_kv_dkv_compute=block,
+                           block_q_dq=block, block_kv_dq=block)
+
+
+def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, mesh: Mesh,
+                     interpret: bool = False) -> jax.Array:
+  """Splash form: `q [B, S, G, R, Dh]`, `k, v [B, S, G, Dh]` -> like q, B sharded over `mesh`.
+
+  Runs in shard_map because Mosaic kernels cannot be partitioned automatically (and so that
+  TPU programs AOT-compile from a CPU host). Each shard runs one MQA kernel per example and
+  key/value head: `[R, S, Dh]` queries against `[S, Dh]` keys and values. `interpret` runs
+  the kernel in Pallas interpret mode (any backend; for tests).
+  """
+  seq, _, per_group, head_dim = q.shape[1:]
+  mask = splash.MultiHeadMask([splash.CausalMask((seq, seq))] * per_group)
+  kernel = splash.make_splash_mqa_single_device(mask, block_sizes=splash_block_sizes(seq),
+                                                interpret=interpret)
+  # The kernel does not scale scores. Scaling q (in its dtype) touches [.., S, Dh], not the
+  # [.., S, S] scores the XLA form scales in float32.
+  q = q / math.sqrt(head_dim)
+  kernels = _at_default_precision(jax.vmap(jax.vmap(kernel)))  # over examples, kv heads
+
+  def shard_fn(q_local, k_local, v_local):
+    heads = jnp.transpose(q_local, (0, 2, 3, 1, 4))        # [b, G, R, S, Dh]
+    keys = jnp.transpose(k_local, (0, 2, 1, 3))            # [b, G, S, Dh]
+    values = jnp.transpose(v_local, (0, 2, 1, 3))          # [b, G, S, Dh]
+    out = kernels(heads, keys, values)                     # [b, G, R, S, Dh]
+    return jnp.transpose(out, (0, 3, 1, 2, 4))             # [b, S, G, R, Dh]
+
+  batch = P(tuple(mesh.axis_names))
+  # check_vma=False: the kernel's pallas_call declares its outputs without varying-axes types.
+  # Nothing here crosses shards, so the batch-sharded out_specs is right as stated.
+  return jax.shard_map(shard_fn, mesh=mesh, in_specs=(batch, batch, batch), out_specs=batch,
+                       check_vma=False)(q, k, v)
+
+
+def _at_default_precision(fn: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
+  """`fn` with its forward and backward traced at the default matmul precision.
+
+  The splash kernels' dots leave precision to `jax_default_matmul_precision`, and Mosaic
+  refuses 'highest' for bf16 operands ("Bad lhs type") and 'high' outright; the test suite
+  sets 'highest'. A custom_vjp because autodiff traces the kernels' backward after `fn` has
+  returned, outside any context entered around the call.
+  """
+  @jax.custom_vjp
+  def pinned(*args):
+    with jax.default_matmul_precision("default"):
+      return fn(*args)
+
+  def forward(*args):
+    with jax.default_matmul_precision("default"):
+      return jax.vjp(fn, *args)  # (out, pullback): the pullback holds the residuals.
+
+  def backward(pullback, cotangent):
+    with jax.default_matmul_precision("default"):
+      return pullback(cotangent)
+
+  pinned.defvjp(forward, backward)
+  return pinned
+
+
+def cudnn_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+  """cuDNN form: `q [B, S, G, R, Dh]`, `k, v [B, S, G, Dh]` -> like q (GPU; bf16 or fp16).
+
+  `jax.nn.dot_product_attention` takes grouped heads directly: query head h = g * R + r
+  attends with key/value head g. It does not trace without cuDNN (so not on a CPU host).
+  """
+  b, s, g, r, dh = q.shape
+  out = jax.nn.dot_product_attention(q.reshape(b, s, g * r, dh), k, v, is_causal=True,
+                                     implementation="cudnn")
+  return out.reshape(q.shape)

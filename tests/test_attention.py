@@ -1,0 +1,147 @@
+"""launch.attention: the XLA and splash forms against a dense reference (outputs and gradients),
+the splash form compiled for a v5p topology, and the choice of form per platform.
+
+The cuDNN form is not tested here: `jax.nn.dot_product_attention(implementation='cudnn')` does
+not even trace without cuDNN ("cuDNN is not detected"), and this suite runs on CPU devices.
+"""
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+
+import moe_hk
+from launch import attention
+from moe_hk import aot, mesh as mesh_lib
+from tests.tree_close import assert_trees_close
+
+
+def _inputs(seed: int, b: int, s: int, g: int, r: int, dh: int) -> list[np.ndarray]:
+  """Standard normal float32 q [B, S, G, R, Dh], k, v [B, S, G, Dh] and a cotangent like q
+  (numpy: nothing to compile before the code under test)."""
+  rng = np.random.default_rng(seed)
+  shapes = [(b, s, g, r, dh), (b, s, g, dh), (b, s, g, dh), (b, s, g, r, dh)]
+  return [rng.standard_normal(shape, np.float32) for shape in shapes]
+
+
+def _value_and_vjp(fn, q, k, v, cotangent):
+  """`fn(q, k, v)` and the gradients of `sum(fn(q, k, v) * cotangent)` wrt q, k, v (compiled)."""
+  def run(q_, k_, v_, cotangent_):
+    out, pullback = jax.vjp(fn, q_, k_, v_)
+    return out, pullback(cotangent_)
+  return jax.jit(run)(q, k, v, cotangent)
+
+
+def reference_attention(q, k, v):
+  """Dense causal GQA in one einsum: query head (g, r) of `q [B, S, G, R, Dh]` attends with
+  key/value head g of `k, v [B, S, G, Dh]`, repeated R times."""
+  b, s, g, r, dh = q.shape
+  queries = q.reshape(b, s, g * r, dh)  # head h = g * R + r
+  keys, values = jnp.repeat(k, r, axis=2), jnp.repeat(v, r, axis=2)
+  scores = jnp.einsum("bshd,bthd->bhst", queries, keys) / math.sqrt(dh)
+  causal = np.tril(np.ones((s, s), bool))  # query i sees keys 0..i
+  probs = jax.nn.softmax(jnp.where(causal, scores, -jnp.inf), axis=-1)
+  return jnp.einsum("bhst,bthd->bshd", probs, values).reshape(q.shape)
+
+
+def _assert_matches_reference(fn, inputs, what: str) -> None:
+  out, grads = _value_and_vjp(fn, *inputs)
+  ref_out, ref_grads = _value_and_vjp(reference_attention, *inputs)
+  assert out.dtype == jnp.float32
+  assert_trees_close(out, ref_out, rtol=1e-5, what=what)
+  assert_trees_close(grads, ref_grads, rtol=1e-5, what=f"d {what} / d(q, k, v)")
+
+
+@pytest.mark.parametrize("block", [0, 4, 16])
+def test_xla_form_matches_dense_reference(block):
+  """0 < block < S runs the checkpointed query-block scan; 0 and S compute one block."""
+  inputs = _inputs(block, 2, 16, 2, 3, 8)
+
+  def fn(q, k, v):
+    return attention.causal_attention(q, k, v, impl="xla", block=block, mesh=None)
+  assert ("scan" in str(jax.make_jaxpr(fn)(*inputs[:3]))) == (0 < block < 16)
+  _assert_matches_reference(fn, inputs, f"xla attention (block {block})")
+
+
+def test_splash_form_in_interpret_mode_matches_dense_reference():
+  """Pallas interpret mode runs the TPU kernels (forward, dq, dkv) on the CPU devices: one
+  example per shard of a (data 2, expert 4) mesh, S = 384 in 128-wide tiles, so tiles above
+  the diagonal are skipped, those on it masked and those below it computed whole."""
+  mesh = moe_hk.make_mesh(data=2, expert=4)
+  assert attention.splash_block_sizes(384).block_q == 128
+
+  def fn(q, k, v):
+    return attention.splash_attention(q, k, v, mesh, interpret=True)
+  _assert_matches_reference(fn, _inputs(0, 8, 384, 2, 2, 32), "splash attention")
+
+
+def test_splash_form_compiles_for_v5p():
+  """Value and grad of bf16 splash attention, batch sharded over a 4-chip v5p mesh, under the
+  suite's 'highest' default matmul precision (which Mosaic refuses unless the form pins it)."""
+  pytest.importorskip("libtpu", reason="needs the libtpu wheel matching jax (jax[tpu])")
+  mesh = moe_hk.make_mesh(data=2, expert=2, devices=aot.tpu_topology_devices("v5p:2x2x1"))
+  sharding = NamedSharding(mesh, mesh_lib.batch_spec(mesh))
+  b, s, g, r, dh = 4, 256, 2, 2, 128
+  q = jax.ShapeDtypeStruct((b, s, g, r, dh), jnp.bfloat16, sharding=sharding)
+  kv = jax.ShapeDtypeStruct((b, s, g, dh), jnp.bfloat16, sharding=sharding)
+
+  def loss(q_, k_, v_):
+    out = attention.causal_attention(q_, k_, v_, impl="splash", block=0, mesh=mesh)
+    return jnp.sum(out.astype(jnp.float32) ** 2)
+  compiled = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).lower(q, kv, kv).compile()
+  # One Mosaic call each for the forward, dq and dkv kernels (vmap batches each into one).
+  assert compiled.as_text().count('custom_call_target="tpu_custom_call"') == 3
+  assert compiled.memory_analysis().temp_size_in_bytes > 0
+
+
+@pytest.mark.parametrize("seq,block", [(8192, 512), (768, 256), (384, 128), (128, 128)])
+def test_splash_tiles_are_the_largest_that_divide_the_sequence(seq, block):
+  sizes = dataclasses.asdict(attention.splash_block_sizes(seq))
+  tiles = {name: value for name, value in sizes.items() if name.startswith("block_")}
+  assert set(tiles.values()) == {block}, tiles
+
+
+def test_splash_needs_a_sequence_multiple_of_128():
+  with pytest.raises(ValueError, match="sequence length 200 to be a multiple of 128"):
+    attention.splash_block_sizes(200)
+
+
+@pytest.mark.parametrize("impl,platform,form", [
+    ("auto", "tpu", "splash"), ("auto", "gpu", "cudnn"), ("auto", "cuda", "cudnn"),
+    ("auto", "cpu", "xla"), ("xla", "tpu", "xla"), ("xla", "cpu", "xla"),
+    ("splash", "tpu", "splash"), ("cudnn", "gpu", "cudnn"), ("cudnn", "cuda", "cudnn"),
+])
+def test_resolve_impl(impl, platform, form):
+  assert attention.resolve_impl(impl, platform) == form
+
+
+@pytest.mark.parametrize("impl,platform,valid", [
+    ("flash", "tpu", attention.ATTENTION_IMPLS),
+    ("splash", "cpu", ("auto", "xla")),
+    ("splash", "gpu", ("auto", "xla", "cudnn")),
+    ("cudnn", "tpu", ("auto", "xla", "splash")),
+    ("cudnn", "cpu", ("auto", "xla")),
+])
+def test_resolve_impl_names_the_value_and_the_valid_choices(impl, platform, valid):
+  with pytest.raises(ValueError) as error:
+    attention.resolve_impl(impl, platform)
+  message = str(error.value)
+  assert message.startswith(f"config.attention_impl={impl!r}"), message
+  assert str(valid) in message, message
+
+
+def test_xla_block_must_divide_the_sequence():
+  q, k, v, _ = _inputs(0, 1, 12, 1, 2, 4)
+  with pytest.raises(ValueError, match="attention_block=5 must divide the sequence length 12"):
+    attention.causal_attention(q, k, v, impl="xla", block=5, mesh=None)
+
+
+@pytest.mark.parametrize("impl,message", [("splash", "needs the mesh"),
+                                          ("auto", "expected a resolved form")])
+def test_causal_attention_refuses_what_it_cannot_run(impl, message):
+  q, k, v, _ = _inputs(0, 1, 128, 1, 2, 4)
+  with pytest.raises(ValueError, match=message):
+    attention.causal_attention(q, k, v, impl=impl, block=0, mesh=None)
