@@ -39,12 +39,33 @@ class Steps(NamedTuple):
 
 
 def make_optimizer(config) -> tuple[optax.GradientTransformation, optax.Schedule]:
-  """AdamW with linear warmup then cosine decay, after global-norm clipping."""
+  """AdamW with linear warmup then cosine decay, after global-norm clipping; its moments
+  stored in `config.optimizer_state_dtype`."""
   schedule = optax.warmup_cosine_decay_schedule(
       0.0, config.learning_rate, config.warmup_steps,
       max(config.train_steps, config.warmup_steps + 1))
-  return optax.chain(optax.clip_by_global_norm(config.grad_clip_norm),
-                     optax.adamw(schedule, weight_decay=config.weight_decay)), schedule
+  adamw = optax.adamw(schedule, weight_decay=config.weight_decay)
+  if config.optimizer_state_dtype != "float32":
+    adamw = stored_as(adamw, jnp.dtype(config.optimizer_state_dtype))
+  return optax.chain(optax.clip_by_global_norm(config.grad_clip_norm), adamw), schedule
+
+
+def stored_as(inner: optax.GradientTransformation, dtype: jnp.dtype
+              ) -> optax.GradientTransformation:
+  """`inner` with its floating-point state kept in `dtype` between steps: each update
+  computes in float32 from the stored values and rounds the new state back (leaf by leaf,
+  so XLA fuses it into the update: no float32 copy of the whole state is held)."""
+  def cast(tree, to):
+    return jax.tree.map(lambda a: a.astype(to) if jnp.issubdtype(a.dtype, jnp.floating) else a,
+                        tree)
+
+  def init(params):
+    return cast(inner.init(params), dtype)
+
+  def update(updates, state, params=None):
+    updates, state = inner.update(updates, cast(state, jnp.float32), params)
+    return updates, cast(state, dtype)
+  return optax.GradientTransformation(init, update)
 
 
 def loss_fn(model: hk.Transformed, config, params, batch, step):

@@ -2,23 +2,27 @@
 
 Any config field can be overridden with `--config.KEY=VALUE` (e.g. `--config.train_steps=50`).
 Defaults to 8 simulated CPU devices unless JAX_PLATFORMS names an accelerator (or XLA_FLAGS
-already sets a device count). Multi-process (one process per host, or several CPU processes
-on one machine over gloo): `--coordinator_address=HOST:PORT --num_processes=N --process_id=I`.
+already sets a device count). Multi-process: on Cloud TPU VMs (and the other clusters JAX
+detects: SLURM, Open MPI, Kubernetes) run the same command on every host, with
+JAX_PLATFORMS=tpu (or ''), and `jax.distributed` is initialised from the environment; elsewhere
+(several CPU processes on one machine over gloo) pass
+`--coordinator_address=HOST:PORT --num_processes=N --process_id=I`.
 """
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+if os.environ["JAX_PLATFORMS"] == "cpu":
+  # No TPU metadata server to ask (on a TPU VM this must stay unset: it hides the slice).
+  os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
 if (os.environ["JAX_PLATFORMS"] == "cpu" and
     "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                              " --xla_force_host_platform_device_count=8").strip()
 
-import jax  # noqa: E402
 from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from launch import overrides, trainer  # noqa: E402
+from launch import distributed, overrides, trainer  # noqa: E402
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Where checkpoints, TensorBoard events and "
                                "alerts.jsonl go; an existing run there is resumed.",
@@ -32,23 +36,11 @@ _PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index in 
                                    "num_processes).")
 
 
-def _initialize_distributed() -> None:
-  given = [f.name for f in (_COORDINATOR, _NUM_PROCESSES, _PROCESS_ID) if f.value is not None]
-  if not given:
-    return
-  if len(given) != 3:
-    raise app.UsageError("multi-process runs need --coordinator_address, --num_processes and "
-                         f"--process_id together; got only {', '.join('--' + g for g in given)}.")
-  if not 0 <= _PROCESS_ID.value < _NUM_PROCESSES.value:
-    raise app.UsageError(f"--process_id={_PROCESS_ID.value} must be in [0, "
-                         f"{_NUM_PROCESSES.value}).")
-  jax.distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
-
-
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  _initialize_distributed()
+  distributed.initialize_distributed(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
+                                     os.environ["JAX_PLATFORMS"])
   try:
     trainer.validate(_CONFIG.value)
   except ValueError as e:

@@ -81,6 +81,9 @@ def validate(config: ml_collections.ConfigDict, devices: int | None = None) -> N
   _require(config.attention_impl in ATTENTION_IMPLS,
            f"config.attention_impl={config.attention_impl!r} must be one of "
            f"{', '.join(repr(a) for a in ATTENTION_IMPLS)}.")
+  _require(config.optimizer_state_dtype in ("float32", "bfloat16"),
+           f"config.optimizer_state_dtype={config.optimizer_state_dtype!r} must be 'float32' "
+           "or 'bfloat16'.")
   _require(config.remat_policy in REMAT_POLICIES,
            f"config.remat_policy={config.remat_policy!r} must be one of "
            f"{', '.join(repr(p) for p in REMAT_POLICIES)}.")

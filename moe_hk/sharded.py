@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
-from moe_hk import fallback, mesh as mesh_lib
+from moe_hk import casting, fallback, mesh as mesh_lib
 from moe_hk.config import MoEConfig
 from moe_hk.ragged_path import Backends, ExpertWeights
 from moe_hk.shard_layer import ShardStats, moe_shard
@@ -57,15 +57,13 @@ def resolve_backends(config: MoEConfig, mesh: Mesh) -> Backends:
 
 
 def _gather_fsdp(experts: ExpertWeights, mesh: Mesh, config: MoEConfig) -> ExpertWeights:
-  """The local experts in the compute dtype, their fsdp-sharded embedding dim all-gathered
-  (`gather_in_dtype`). The barrier keeps XLA from hoisting the cast of every layer's
-  weights out of the layer scan (measured on the Maverick config: three bfloat16 copies of
-  the stacked expert weights, 5.6 GiB per chip, alive through the backward)."""
+  """The local experts in the compute dtype (`casting.to_compute_dtype`: rounded inside the
+  layer scan, not hoisted out of it), their fsdp-sharded embedding dim all-gathered
+  (`gather_in_dtype`)."""
   specs = param_specs(config, mesh)
   def gather(w, spec):
-    w = jax.lax.optimization_barrier(w)
     if mesh_lib.FSDP_AXIS not in spec:
-      return w.astype(config.compute_dtype)
+      return casting.to_compute_dtype(w, config.compute_dtype)
     return gather_in_dtype(w, mesh_lib.FSDP_AXIS, spec.index(mesh_lib.FSDP_AXIS),
                            config.compute_dtype)
   return ExpertWeights(gather(experts.wi_0, specs.wi_0), gather(experts.wi_1, specs.wi_1),
@@ -77,7 +75,7 @@ def gather_in_dtype(w: jax.Array, axis: str, dim: int, dtype: jnp.dtype) -> jax.
   """`all_gather(w.astype(dtype), axis, axis=dim, tiled=True)` (inside shard_map): the weight
   travels and is stored in the compute dtype (half of float32 for bfloat16), while its
   gradient is reduce-scattered in w's own dtype (float32 sums, as if gathered in float32)."""
-  return jax.lax.all_gather(w.astype(dtype), axis, axis=dim, tiled=True)
+  return jax.lax.all_gather(casting.to_compute_dtype(w, dtype), axis, axis=dim, tiled=True)
 
 
 def _gather_in_dtype_fwd(w, axis, dim, dtype):

@@ -78,6 +78,9 @@ def get_config() -> ml_collections.ConfigDict:
   c.train_steps = 200
   c.weight_decay = 0.01
   c.grad_clip_norm = 1.0
+  # dtype Adam's moments are stored in between steps ('float32' or 'bfloat16', as DeepSeek-V3
+  # trains); the update itself runs in float32 either way.
+  c.optimizer_state_dtype = "float32"
   c.seed = 0
   # Evaluation, logging, checkpoints.
   c.eval_every = 50
