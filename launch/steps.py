@@ -104,28 +104,20 @@ def make_steps(config: ml_collections.ConfigDict, mesh: Mesh,
   shapes = jax.eval_shape(init, jax.random.key(0))
   state_sharding = sharding.state_shardings(shapes, mesh, layer_config, tx)
 
-  def grads_of(transformed):
-    """(state, batch) -> ((cross-entropy, MoEStats, gradient norm), gradients)."""
-    grad_fn = jax.value_and_grad(functools.partial(loss_fn, transformed, config), has_aux=True)
-    def grads(state, batch):
-      (_, (ce, stats)), gradients = grad_fn(state.params, batch, state.step)
-      return (ce, stats, optax.tree.norm(gradients)), gradients
-    return grads
-
-  def apply(state, gradients):
-    updates, opt_state = tx.update(gradients, state.opt_state, state.params)
-    return TrainState(state.step + 1, optax.apply_updates(state.params, updates), opt_state)
-
   def train_step(state, batch):
+    loss = functools.partial(loss_fn, model, config)
     if step_mode:
-      replay = grads_of(_transformed(config, mesh, True, chunk_loop))
-      new_state, (ce, stats, grad_norm), replayed = step_replay.step_with_replay(
-          grads_of(model), replay, apply, state, batch)
+      replay = functools.partial(loss_fn, _transformed(config, mesh, True, chunk_loop), config)
+      gradients, (ce, stats), replayed = step_replay.grads_with_replay(
+          loss, replay, state.params, batch, state.step)
       extra = {"replayed": replayed}
     else:
-      (ce, stats, grad_norm), gradients = grads_of(model)(state, batch)
-      new_state, extra = apply(state, gradients), {}
-    return new_state, {"loss": ce, "grad_norm": grad_norm,
+      (_, (ce, stats)), gradients = jax.value_and_grad(loss, has_aux=True)(
+          state.params, batch, state.step)
+      extra = {}
+    updates, opt_state = tx.update(gradients, state.opt_state, state.params)
+    new_state = TrainState(state.step + 1, optax.apply_updates(state.params, updates), opt_state)
+    return new_state, {"loss": ce, "grad_norm": optax.tree.norm(gradients),
                        "learning_rate": schedule(state.step), "moe_stats": stats, **extra}
 
   eval_loss = jax.jit(lambda params, batch: loss_fn(model, config, params, batch, None)[1][0],

@@ -1,19 +1,20 @@
 """`moe_dropless_fallback='step'`: one compiled train step that replays itself dropless when any
 MoE layer overflowed, with the train state donated.
 
-The step first runs every MoE layer capped. If any capped buffer would have dropped rows, the
-same step (same batch, same state) is computed again in the same program by the replay graph,
-in which every MoE layer takes the chunked dropless path (`MoEConfig.for_step_replay()`), so
-memory stays at the capped level. Two `lax.cond`s on the one overflow flag order it so that
-no second copy of the state and no second set of gradients is ever alive:
+The step first runs the forward with every MoE layer capped. If any capped buffer would have
+dropped rows, the gradients come instead from the replay graph, the same loss in which every
+MoE layer takes the chunked dropless path (`MoEConfig.for_step_replay()`), so memory stays at
+the capped level; otherwise from the capped forward's own backward. One `lax.cond` on the
+overflow flag picks which, after the capped forward and before any backward:
 
-  1. the capped gradients are applied unless the step overflowed (the state is returned
-     unchanged if it did), after which they are dead;
-  2. if it overflowed, the replay's gradients are computed from that (unchanged) state and
-     applied.
+  * no second copy of the state: the caller applies the chosen gradients once, outside the
+    cond, so its update runs in place on the donated state;
+  * no second set of gradients: the capped backward runs only in the branch that keeps it;
+  * what the replay branch holds beside its own work is the capped forward's residuals (under
+    the launcher's remat, one `[B, S, D]` per layer group).
 
-Under a cond's autodiff both branches' residuals would be kept, but nothing here is
-differentiated through a cond: each branch takes its own gradients.
+Nothing is differentiated through the cond (each branch takes its own gradients), so no
+branch's residuals are kept for another.
 """
 from __future__ import annotations
 
@@ -24,10 +25,8 @@ import jax.numpy as jnp
 
 from moe_hk.stats import MoEStats
 
-# (state, *args) -> (aux outputs containing MoEStats, gradients)
-GradFn = Callable[..., tuple[Any, Any]]
-# (state, gradients) -> new state
-ApplyFn = Callable[[Any, Any], Any]
+# (params, *args) -> (scalar loss, aux holding MoEStats)
+LossFn = Callable[..., tuple[jax.Array, Any]]
 
 
 def any_overflow(tree: Any) -> jax.Array:
@@ -39,22 +38,24 @@ def any_overflow(tree: Any) -> jax.Array:
   return jnp.any(jnp.stack([jnp.max(s.would_drop_rows) for s in stats]) > 0)
 
 
-def step_with_replay(grads: GradFn, replay_grads: GradFn, apply: ApplyFn, state: Any,
-                     *args: Any) -> tuple[Any, Any, jax.Array]:
-  """The train step `apply(state, grads(state, *args))`, replayed with `replay_grads` when the
-  capped attempt overflowed. Traced inside the caller's jit (which may donate `state`).
+def grads_with_replay(loss: LossFn, replay_loss: LossFn, params: Any, *args: Any
+                      ) -> tuple[Any, Any, jax.Array]:
+  """Gradients of `loss(params, *args)` w.r.t. params, from `replay_loss` instead when the capped
+  forward overflowed. Traced inside the caller's jit, which applies them (and may donate).
 
-  `grads` and `replay_grads` are the same gradient computation built from the layer config and
-  from `config.for_step_replay()`; both return `(aux, gradients)` of identical structure, aux
-  holding the `MoEStats` that `any_overflow` reads. Returns `(new state, aux of the attempt
-  that was applied, replayed: bool scalar)`.
+  `loss` and `replay_loss` are the same loss built from the layer config and from
+  `config.for_step_replay()`; both return `(scalar, aux)` with identical aux structure, aux
+  holding the `MoEStats` that `any_overflow` reads. Returns `(gradients, aux of the attempt
+  they come from, replayed: bool scalar)`.
   """
-  aux, capped_grads = grads(state, *args)
+  value, pullback, aux = jax.vjp(lambda p: loss(p, *args), params, has_aux=True)
   replayed = any_overflow(aux)
-  state = jax.lax.cond(replayed, lambda s, _: s, apply, state, capped_grads)
 
-  def replay(s):
-    replay_aux, replay_gradients = replay_grads(s, *args)
-    return apply(s, replay_gradients), replay_aux
-  state, aux = jax.lax.cond(replayed, replay, lambda s: (s, aux), state)
-  return state, aux, replayed
+  def capped(_):
+    return pullback(jnp.ones_like(value))[0], aux
+
+  def replay(_):
+    (_, replay_aux), gradients = jax.value_and_grad(replay_loss, has_aux=True)(params, *args)
+    return gradients, replay_aux
+  gradients, aux = jax.lax.cond(replayed, replay, capped, None)
+  return gradients, aux, replayed

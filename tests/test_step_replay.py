@@ -7,20 +7,17 @@ import pytest
 from jax.sharding import NamedSharding
 
 import moe_hk
-from moe_hk.step_replay import any_overflow, step_with_replay
+from moe_hk.step_replay import any_overflow, grads_with_replay
 from tests.moe_inputs import skewed_inputs
 from tests.tree_close import assert_trees_close, relative_error
 
 
-def _grads(config, mesh, cot, **kw):
-  """(params, x) -> (MoEStats, gradients) of `sum(y * cot) + lb_loss`."""
+def _loss(config, mesh, cot, **kw):
+  """(params, x) -> (sum(y * cot) + lb_loss, MoEStats)."""
   def loss(params, x):
     y, stats = moe_hk.moe_forward(params, x, config=config, mesh=mesh, **kw)
     return jnp.sum(y * cot) + stats.lb_loss, stats
-  def grads(params, x):
-    gradients, stats = jax.grad(loss, has_aux=True)(params, x)
-    return stats, gradients
-  return grads
+  return loss
 
 
 def _sgd(params, gradients):
@@ -36,16 +33,20 @@ def test_step_mode_replays_only_overflowing_steps(ring, skew, overflows):
                             moe_dropless_fallback="step", gmm_block_rows=8)
   params, x = skewed_inputs(config, 16, 16, skew=skew, seed=2)
   cot = jax.random.normal(jax.random.key(0), x.shape)
-  capped = _grads(config, mesh, cot)
+  capped = _loss(config, mesh, cot)
   shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), moe_hk.param_specs(config, mesh))
-  step = jax.jit(lambda p, x_: step_with_replay(
-      capped, _grads(config.for_step_replay(), mesh, cot), _sgd, p, x_),
-      in_shardings=(shardings, None), out_shardings=(shardings, None, None), donate_argnums=(0,))
 
-  capped_stats, capped_grads = jax.jit(capped)(params, x)
+  def step(params, x):  # the update applied once, outside the cond: in place on the donated params
+    gradients, stats, replayed = grads_with_replay(
+        capped, _loss(config.for_step_replay(), mesh, cot), params, x)
+    return _sgd(params, gradients), stats, replayed
+  step = jax.jit(step, in_shardings=(shardings, None), out_shardings=(shardings, None, None),
+                 donate_argnums=(0,))
+  grad = lambda loss: jax.jit(jax.grad(loss, has_aux=True))
+
+  capped_grads, capped_stats = grad(capped)(params, x)
   capped_params = _sgd(params, capped_grads)
-  dropless_params = _sgd(params, jax.jit(_grads(config, mesh, cot, force_dropless=True))(
-      params, x)[1])
+  dropless_params = _sgd(params, grad(_loss(config, mesh, cot, force_dropless=True))(params, x)[0])
   donated = jax.device_put(params, shardings)
   new_params, stats, replayed = step(donated, x)
   assert all(leaf.is_deleted() for leaf in jax.tree.leaves(donated))  # the state was donated
