@@ -9,11 +9,11 @@ from moe_hk import casting
 def test_integer_rounding_equals_astype_bit_for_bit():
   rng = np.random.default_rng(0)
   values = np.concatenate([
-      rng.normal(size=10_000) * 10.0 ** rng.integers(-30, 30, size=10_000),
+      (rng.normal(size=10_000) * 10.0 ** rng.integers(-30, 30, size=10_000)).astype(np.float32),
       rng.integers(0, 2 ** 32, size=10_000, dtype=np.uint64).astype(np.uint32).view(np.float32),
       # ties (exactly halfway between two bfloat16 values) both ways, extremes, zeros, infinities
       np.array([1 + 2 ** -8, 1 + 3 * 2 ** -8, -(1 + 2 ** -8), 3.3895314e38, 1e-45, 0.0, -0.0,
-                np.inf, -np.inf], np.float32)]).astype(np.float32)
+                np.inf, -np.inf], np.float32)])
   finite = ~np.isnan(values)
   ours = np.asarray(jax.jit(casting.to_bfloat16)(jnp.asarray(values)))
   expected = np.asarray(jnp.asarray(values).astype(jnp.bfloat16))
