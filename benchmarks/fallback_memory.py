@@ -5,10 +5,13 @@
 For each platform (an 8-device CPU mesh, and a v5p 2x2x2 topology compiled through libtpu)
 and each model (one bare MoE layer; stacks of rematerialised MoE layers trained with Adam),
 compiles the step and prints total memory per device (arguments + outputs + temp - aliased)
-for: the worst-case buffer, the capped buffer, capped + `layer` fallback (scan of
-checkpointed chunks), the same with adaptive chunking, and capped + fallback with a
-Python-unrolled chunk loop (the naive form, `moe_hk.fallback.unrolled_chunks`). JSON first,
-then a table.
+and the compile time for: the worst-case buffer, the capped buffer, capped + `layer` fallback
+(scan of checkpointed chunks), the same with adaptive chunking (`fallback.traffic_ladder`),
+with the earlier two-rung adaptive ladder (`fallback.two_rung_ladder`), and capped + fallback
+with a Python-unrolled chunk loop (the naive form, `moe_hk.fallback.unrolled_chunks`). Each
+rung of an adaptive ladder is a compiled switch branch, so these columns measure what rungs
+cost. `--factor` sets the buffer factor (a lower one lengthens the adaptive ladder). JSON
+first, then a table.
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import argparse
 import functools
 import json
 import os
+import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
@@ -29,7 +33,9 @@ import optax  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 
 import moe_hk  # noqa: E402
-from moe_hk import aot, fallback, mesh as mesh_lib  # noqa: E402
+from moe_hk import aot, fallback, mesh as mesh_lib, sharded  # noqa: E402
+from moe_hk.ragged_path import ExpertWeights  # noqa: E402
+from moe_hk.shard_layer import moe_shard  # noqa: E402
 
 # The single-layer setting where token buffers dominate: 8 shards, top-2, 8 experts,
 # 64 x 512 tokens (4,096 per shard), emb 1024, MLP 2048. Not narrower: on TPU a width of 64 is
@@ -37,25 +43,61 @@ from moe_hk import aot, fallback, mesh as mesh_lib  # noqa: E402
 # rather than the fallback (`--emb_dim=64 --mlp_dim=128` reproduces them; README).
 SETTING = dict(num_experts=8, num_experts_per_tok=2, emb_dim=1024, mlp_dim=2048)
 BATCH, SEQ = 64, 512
-FACTOR = 2.0
-VARIANTS = ("worst_case", "capped", "fallback_scan", "fallback_adaptive", "fallback_unrolled")
-# The setting's automatic chunk count is 2, a ladder of one rung; the adaptive variant asks for
-# 8 chunks, so its switch holds two chunked rungs (2 and 8 chunks) beside the capped path.
+SETTING["ragged_buffer_factor"] = 2.0
+VARIANTS = ("worst_case", "capped", "fallback_scan", "fallback_adaptive", "fallback_two_rung",
+            "fallback_unrolled")
+# The setting's automatic chunk count is 2; the adaptive variants ask for 8 chunks, so that
+# the two-rung ladder has two rungs, (2 chunks, R rows) and (8, R / 4). `traffic_ladder` then
+# has (2, 0.63 R), (2, 0.79 R), (8, R / 4) at factor 2, and five rungs and (8, R / 2) at
+# factor 1.
 ADAPTIVE_MAX_CHUNKS = 8
 
 
 def variant_config(variant: str, **overrides) -> moe_hk.MoEConfig:
   """The setting as `variant`; `overrides` replace fields of SETTING (e.g. a narrower width)."""
-  base = moe_hk.MoEConfig(**{**SETTING, **overrides}, ragged_buffer_factor=FACTOR)
+  base = moe_hk.MoEConfig(**{**SETTING, **overrides})
+  adaptive = base.replace(moe_dropless_fallback="layer", dropless_fallback_chunking="adaptive",
+                          dropless_fallback_num_chunks=ADAPTIVE_MAX_CHUNKS)
   return {
       "worst_case": base.replace(ragged_buffer_factor=-1),
       "capped": base,
-      "fallback_scan": base.replace(moe_dropless_fallback="layer"),
-      "fallback_adaptive": base.replace(moe_dropless_fallback="layer",
-                                        dropless_fallback_chunking="adaptive",
-                                        dropless_fallback_num_chunks=ADAPTIVE_MAX_CHUNKS),
-      "fallback_unrolled": base.replace(moe_dropless_fallback="layer"),
+      "fallback_scan": base.replace(moe_dropless_fallback="layer",
+                                    dropless_fallback_chunking="fixed"),
+      "fallback_adaptive": adaptive,
+      "fallback_two_rung": adaptive,
+      "fallback_unrolled": base.replace(moe_dropless_fallback="layer",
+                                        dropless_fallback_chunking="fixed"),
   }[variant]
+
+
+def ladder_forward(params: moe_hk.MoEParams, x: jax.Array, *, config: moe_hk.MoEConfig, mesh,
+                   ladder: fallback.Ladder) -> tuple[jax.Array, moe_hk.MoEStats]:
+  """`moe_hk.moe_forward` (without events) whose adaptive fallback picks from `ladder`: how
+  the benchmarks run the earlier two-rung ladder beside the library's. x `[B, S, D]`; the
+  mesh must not shard the experts over fsdp (this skips moe_forward's fsdp gather)."""
+  assert mesh.shape.get(mesh_lib.FSDP_AXIS, 1) == 1, mesh.shape
+  backends = sharded.resolve_backends(config, mesh)
+  axes = tuple(mesh.axis_names)
+
+  def shard_fn(x_local, router_w, wi_0, wi_1, wo):
+    y, local = moe_shard(x_local, router_w, ExpertWeights(wi_0, wi_1, wo), config=config,
+                         backends=backends, mesh_axes=axes, ladder=ladder)
+    return y, sharded.reduce_stats(local, mesh, config)
+
+  batch = mesh_lib.batch_spec(mesh)
+  stats = moe_hk.MoEStats(*([jax.sharding.PartitionSpec()] * len(moe_hk.MoEStats._fields)))
+  fn = jax.shard_map(shard_fn, mesh=mesh, in_specs=(batch, *moe_hk.param_specs(config, mesh)),
+                     out_specs=(batch, stats))
+  return fn(x, *params)
+
+
+def variant_layer(variant: str, config: moe_hk.MoEConfig, mesh):
+  """`(params, x) -> (y, stats)` of `variant`'s layer."""
+  if variant == "fallback_two_rung":
+    return functools.partial(ladder_forward, config=config, mesh=mesh,
+                             ladder=fallback.two_rung_ladder)
+  loop = {"chunk_loop": fallback.unrolled_chunks} if variant == "fallback_unrolled" else {}
+  return functools.partial(moe_hk.moe_forward, config=config, mesh=mesh, **loop)
 
 
 def make_mesh(platform: str):
@@ -75,8 +117,7 @@ def compile_step(variant: str, platform: str, layers: int):
   body, with an Adam update and donated params and optimizer state."""
   config = variant_config(variant)
   mesh = make_mesh(platform)
-  loop = {"chunk_loop": fallback.unrolled_chunks} if variant == "fallback_unrolled" else {}
-  layer = functools.partial(moe_hk.moe_forward, config=config, mesh=mesh, **loop)
+  layer = variant_layer(variant, config, mesh)
   specs = moe_hk.param_specs(config, mesh)
   shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
   x = jax.ShapeDtypeStruct((BATCH, SEQ, config.emb_dim), jnp.float32,
@@ -116,15 +157,20 @@ def compile_step(variant: str, platform: str, layers: int):
   return jax.jit(step, donate_argnums=(0, 1)).lower(params, opt_state, x).compile()
 
 
-def measure(platforms, layer_counts):
+def measure(platforms, layer_counts, variants=VARIANTS):
+  """Per platform and model: total MiB per device and compile seconds of each variant."""
   rows = []
   for platform in platforms:
     for layers in layer_counts:
-      mib = {v: aot.total_memory_bytes(compile_step(v, platform, layers)) / 2**20
-             for v in VARIANTS}
-      rows.append({"platform": platform, "layers": layers, "MiB": mib,
-                   "fallback_over_capped": mib["fallback_scan"] / mib["capped"],
-                   "adaptive_over_capped": mib["fallback_adaptive"] / mib["capped"]})
+      mib, seconds = {}, {}
+      for v in variants:
+        start = time.perf_counter()
+        compiled = compile_step(v, platform, layers)
+        seconds[v] = time.perf_counter() - start
+        mib[v] = aot.total_memory_bytes(compiled) / 2**20
+      over = {v: mib[v] / mib["capped"] for v in variants if "capped" in mib}
+      rows.append({"platform": platform, "layers": layers, "MiB": mib, "compile_s": seconds,
+                   "over_capped": over})
   return rows
 
 
@@ -133,23 +179,27 @@ def main():
   parser.add_argument("--platforms", default="cpu,tpu")
   parser.add_argument("--layers", default="0,4,8",
                       help="0 = one bare layer (value and grad); N = N remat layers + Adam")
+  parser.add_argument("--variants", default=",".join(VARIANTS))
   parser.add_argument("--emb_dim", type=int, default=SETTING["emb_dim"])
   parser.add_argument("--mlp_dim", type=int, default=SETTING["mlp_dim"])
+  parser.add_argument("--factor", type=float, default=SETTING["ragged_buffer_factor"])
   args = parser.parse_args()
-  SETTING.update(emb_dim=args.emb_dim, mlp_dim=args.mlp_dim)
-  rows = measure(args.platforms.split(","), [int(n) for n in args.layers.split(",")])
-  print(json.dumps({"setting": {**SETTING, "batch": BATCH, "seq": SEQ, "factor": FACTOR},
-                    "rows": rows}, indent=2))
-  print("\n| platform | model | worst case | capped | fallback (scan) | adaptive | "
-        "unrolled chunks | fallback / capped | adaptive / capped |")
-  print("|---|---|---|---|---|---|---|---|---|")
+  SETTING.update(emb_dim=args.emb_dim, mlp_dim=args.mlp_dim, ragged_buffer_factor=args.factor)
+  variants = args.variants.split(",")
+  rows = measure(args.platforms.split(","), [int(n) for n in args.layers.split(",")], variants)
+  print(json.dumps({"setting": {**SETTING, "batch": BATCH, "seq": SEQ,
+                                "adaptive_max_chunks": ADAPTIVE_MAX_CHUNKS},
+                    "jax": jax.__version__, "rows": rows}, indent=2))
+  over = [v for v in variants if v != "capped" and "capped" in variants]
+  print("\nTotal MiB per device (compile seconds)")
+  print("| platform | model | " + " | ".join(variants) + " | " +
+        " | ".join(f"{v} / capped" for v in over) + " |")
+  print("|---|---|" + "---|" * (len(variants) + len(over)))
   for r in rows:
     model = "1 layer, bare" if r["layers"] == 0 else f"{r['layers']} remat layers + Adam"
-    m = r["MiB"]
-    print(f"| {r['platform']} | {model} | {m['worst_case']:.1f} | {m['capped']:.1f} | "
-          f"{m['fallback_scan']:.1f} | {m['fallback_adaptive']:.1f} | "
-          f"{m['fallback_unrolled']:.1f} | {r['fallback_over_capped']:.2f}x | "
-          f"{r['adaptive_over_capped']:.2f}x |")
+    cells = [f"{r['MiB'][v]:.1f} ({r['compile_s'][v]:.0f} s)" for v in variants]
+    cells += [f"{r['over_capped'][v]:.2f}x" for v in over]
+    print(f"| {r['platform']} | {model} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

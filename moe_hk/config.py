@@ -38,11 +38,13 @@ class MoEConfig:
   moe_dropless_fallback: str = "none"
   # 0 picks the fewest token chunks whose worst-case buffer fits the capped one.
   dropless_fallback_num_chunks: int = 0
-  # How many chunks the 'layer' fallback runs (both paths): 'fixed' always runs the count above
-  # (n, sized for the worst case); 'adaptive' decides at run time: p chunks (n's smallest
-  # divisor > 1, 2 when n is even) if every chunk's actual traffic fits the capped buffer,
-  # else n. A mild overflow then costs about 2 chunks, not n. The 'step' replay always runs n.
-  dropless_fallback_chunking: str = "fixed"
+  # How the 'layer' fallback chunks (both paths). 'adaptive' decides at run time from the
+  # step's traffic: the first rung of a ladder (chunk count, buffer rows per chunk: 1.26, 1.58,
+  # 2.0, ... capped buffers in all, up to 3.98, then the count above) whose every chunk fits,
+  # so an overflow costs about what its rows need. 'fixed' always runs the count above (n,
+  # sized for the worst case, whatever the overflow), one compiled branch: the shortest
+  # compile (each rung is a compiled branch). The 'step' replay always runs n.
+  dropless_fallback_chunking: str = "adaptive"
   use_ring_of_experts: bool = False   # All-gather tokens instead of the ragged all-to-all.
   # Set in the replay graph of moe_dropless_fallback='step' (see `for_step_replay`): every
   # layer runs the chunked dropless path, never the worst-case buffer.

@@ -79,8 +79,8 @@ def overflow_rows(traffic: jax.Array, rows: int) -> jax.Array:
 def chunk_receiver_rows(fine_counts: jax.Array, num_chunks: int) -> jax.Array:
   """`[num_chunks, P]`: rows each receiver's L experts get in each of `num_chunks` chunks.
 
-  `fine_counts [P, n, E]` holds sender i's rows per expert in each of n fine chunks, and
-  `num_chunks` divides n: chunk c merges fine chunks c * n / num_chunks onwards. The ring of
+  `fine_counts [P, f, E]` holds sender i's rows per expert in each of f fine chunks, and
+  `num_chunks` divides f: chunk c merges fine chunks c * f / num_chunks onwards. The ring of
   experts receives the same rows (its gathered chunk's rows for each shard's experts).
   """
   senders, fine, experts = fine_counts.shape

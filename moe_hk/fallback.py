@@ -8,12 +8,15 @@ with the worst-case buffer of its T / n tokens, which is no larger than the capp
 chunks run in a `lax.scan` whose body is `jax.checkpoint(nothing_saveable)`: the backward
 recomputes one chunk at a time and the weights' gradients accumulate in the scan carry.
 
-Adaptive chunking: n is sized for the worst case, but a mild overflow usually fits in far
-fewer chunks. `chunk_ladder` lists the counts to choose from, `chunk_counts` and
-`rung_overflows` find from the routing which of them actually fit the capped buffer, and
-`switch_with_recompute` runs the capped path (index 0) or one of the chunked rungs. A rung
-with fewer than n chunks keeps the capped buffer and runs only when its chunks' actual
-traffic fits it, so it drops nothing either.
+Adaptive chunking: n is sized for the worst case, whose n chunks hold as many buffer rows in
+all as the worst-case buffer, whatever the overflow. A chunk's cost follows its buffer rows (an
+accelerator's grouped matmul runs over the whole buffer), so an overflow that needs 1.2x the
+capped buffer should cost about 1.2 capped layers, not the worst case. `traffic_ladder` lists
+rungs (chunk count, rows per chunk) whose totals grow by ~1.26x from 1.26 capped buffers to
+the fixed rung; `chunk_counts` and `rung_overflows` find from the routing which of them every
+chunk fits, and `switch_with_recompute` runs the capped path (index 0) or the first rung that
+fits. A rung below its chunks' worst case runs only when their actual traffic fits, so it
+drops nothing either; no chunk's buffer is larger than the fixed rung's.
 
 Why `switch_with_recompute` and not `lax.switch` (or `lax.cond`): under autodiff they return
 the residuals of *every* branch (each branch outputs zeros for the others'), so the step would
@@ -26,7 +29,8 @@ forward's recompute is dead code that XLA removes, so the extra forward costs no
 from __future__ import annotations
 
 import functools
-from typing import Callable, Sequence
+import math
+from typing import Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -107,19 +111,77 @@ def chunked_dropless(chunk_fn: Callable[..., jax.Array], x: jax.Array,
   return chunk_loop(body, num_chunks).reshape(x.shape[:2] + (-1,))
 
 
-def chunk_ladder(max_chunks: int) -> tuple[int, ...]:
-  """Chunk counts the adaptive fallback chooses from, fewest first: the smallest divisor
-  p > 1 of `max_chunks`, then `max_chunks` (8 -> (2, 8); 12 -> (2, 12); 9 -> (3, 9); 7 -> (7,)).
+class Rung(NamedTuple):
+  """One way to run the dropless fallback: n chunks of T / n tokens, one after another."""
+  chunks: int  # n, dividing the local sequence length (1: the capped layer itself).
+  rows: int    # Receive-buffer rows of every chunk; never more than the capped buffer's R.
 
-  p divides `max_chunks`, so p's chunks are unions of the finest ones, and when p fits the
-  buffer so does `max_chunks`: the first fitting rung is well defined on every device. Why
-  not every divisor: each rung is a switch branch, compiled, and the TPU compiler of jax 0.12
-  does not share all buffers between branches. One layer on v5p (benchmarks/fallback_memory,
-  n = 8): fixed chunking 56.8 MiB, rungs (2, 8) 60.3, rungs (2, 4, 8) 63.3. A mild overflow,
-  which this is for, fits in p chunks.
+
+# Neighbouring rungs of the adaptive ladder hold this factor more buffer rows in all: ten
+# rungs per decade (Renard's R10 series), so the rung that runs holds at most ~1.26x the rows
+# its busiest chunks need.
+LADDER_GROWTH = 10 ** 0.1
+# At most this many rungs below the fixed one: totals up to 10 ** 0.6 = 3.98 capped buffers;
+# a larger overflow (required factor 4x the configured one) runs the fixed rung. Each rung is
+# a compiled switch branch: on a v5p topology one 1024-wide layer compiled in 21 s with fixed
+# chunking and 219 s with six rungs (benchmarks/fallback_memory.py, jax 0.10).
+LADDER_RUNGS = 6
+
+# ladder(seq=S, capped_rows=R, worst_rows=P * T * min(K, L), max_chunks=n) -> the rungs the
+# adaptive fallback picks from, fewest total rows first; the last is `fixed_rung`.
+Ladder = Callable[..., tuple[Rung, ...]]
+
+
+def fixed_rung(*, capped_rows: int, worst_rows: int, max_chunks: int) -> Rung:
+  """The fixed fallback: `max_chunks` chunks, each with its tokens' worst-case buffer
+  (`worst_rows / max_chunks`, which fits the capped buffer): it fits whatever the routing."""
+  return Rung(max_chunks, min(capped_rows, worst_rows // max_chunks))
+
+
+def traffic_ladder(*, seq: int, capped_rows: int, worst_rows: int, max_chunks: int
+                   ) -> tuple[Rung, ...]:
+  """The adaptive fallback's rungs: buffer totals of g, g^2, ... capped buffers (g =
+  `LADDER_GROWTH`, at most `LADDER_RUNGS` of them), each split over the fewest chunks that keep
+  a chunk's buffer within the fixed rung's, then `fixed_rung`.
+
+  Rung i has n_i chunks (the smallest divisor of `seq` >= g^i R / r, r the fixed rung's rows
+  per chunk, at most `max_chunks`) of ceil(g^i R / n_i) <= r rows: no rung's chunk buffer is
+  larger than the fixed fallback's, so the chunk count the user sizes for memory
+  (`dropless_fallback_num_chunks`) bounds every rung (the TPU compiler does not overlap a
+  branch's buffers with the capped path's: Maverick, README). Totals stop one step short of
+  the fixed rung's (the worst case, `worst_rows`); a rung whose chunks could never overflow is
+  left out. Example: R = 6144, worst 32768 (8 shards, top-2, 16 experts, factor 1.5, 2,048
+  tokens), `max_chunks` 8 (r = 4096), seq 256: (2, 3868), (4, 2435), (4, 3065), (4, 3859),
+  (8, 2429), (8, 3058), (8, 4096): totals 1.26, 1.58, 2.00, 2.51, 3.16, 3.98 and 5.33 capped
+  buffers.
   """
-  smallest = next((d for d in range(2, max_chunks) if max_chunks % d == 0), max_chunks)
-  return (smallest,) if smallest == max_chunks else (smallest, max_chunks)
+  fixed = fixed_rung(capped_rows=capped_rows, worst_rows=worst_rows, max_chunks=max_chunks)
+  rungs = []
+  for i in range(1, LADDER_RUNGS + 1):
+    total = LADDER_GROWTH ** i * capped_rows
+    if total * LADDER_GROWTH > worst_rows:
+      break
+    chunks = next((n for n in range(math.ceil(total / fixed.rows), max_chunks + 1)
+                   if seq % n == 0), None)
+    if chunks is None:
+      break
+    rows = math.ceil(total / chunks)
+    if rows < worst_rows // chunks:
+      rungs.append(Rung(chunks, rows))
+  return (*rungs, fixed)
+
+
+def two_rung_ladder(*, seq: int, capped_rows: int, worst_rows: int, max_chunks: int
+                    ) -> tuple[Rung, ...]:
+  """The ladder adaptive chunking had before `traffic_ladder`, kept for the benchmarks to
+  compare with (never a mode users pick): the smallest divisor p > 1 of `max_chunks`, with the
+  capped buffer (or its worst case if smaller), then `fixed_rung` (8 -> p = 2; 7 -> none)."""
+  del seq
+  fixed = fixed_rung(capped_rows=capped_rows, worst_rows=worst_rows, max_chunks=max_chunks)
+  p = next((d for d in range(2, max_chunks) if max_chunks % d == 0), None)
+  if p is None:
+    return (fixed,)
+  return (Rung(p, min(capped_rows, worst_rows // p)), fixed)
 
 
 def chunk_counts(expert_ids: jax.Array, num_chunks: int, num_experts: int) -> jax.Array:
@@ -128,11 +190,18 @@ def chunk_counts(expert_ids: jax.Array, num_chunks: int, num_experts: int) -> ja
                                                         num_experts)
 
 
-def rung_overflows(fine_counts: jax.Array, rungs: Sequence[int], rows: int) -> jax.Array:
-  """`[len(rungs)]` bool: whether some receiver gets more than `rows` rows from some chunk when
-  the layer runs in `rungs[r]` chunks, from the all-gathered `fine_counts [P, n, E]` of every
-  sender's n finest chunks (each rung divides n). A rung of 1 is the unchunked capped layer."""
-  return jnp.stack([jnp.max(chunk_receiver_rows(fine_counts, n)) > rows for n in rungs])
+def finest_chunks(rungs: Sequence[Rung]) -> int:
+  """The chunk count every rung's chunks are unions of: the lcm of their counts (it divides
+  the sequence length, as each count does)."""
+  return math.lcm(*(r.chunks for r in rungs))
+
+
+def rung_overflows(fine_counts: jax.Array, rungs: Sequence[Rung]) -> jax.Array:
+  """`[len(rungs)]` bool: whether some chunk of `rungs[r]` sends some receiver more than its
+  buffer's rows, from `fine_counts [P, f, E]`: every sender's `chunk_counts` in the
+  `finest_chunks(rungs)` = f chunks, all-gathered over the expert axis."""
+  return jnp.stack([jnp.max(chunk_receiver_rows(fine_counts, r.chunks)) > r.rows
+                    for r in rungs])
 
 
 def first_fit(overflows: jax.Array) -> jax.Array:

@@ -29,21 +29,23 @@ class ShardStats(NamedTuple):
   tokens_per_expert: jax.Array  # [E] int32, this shard's routed rows per expert.
   lb_loss: jax.Array            # [] float32, this shard's unweighted load-balance loss.
   z_loss: jax.Array             # [] float32, this shard's unweighted router z-loss.
-  fallback_chunks: jax.Array    # [] int32, chunks the dropless fallback ran in (0: it did not).
+  fallback_chunks: jax.Array    # [] int32, chunks of the rung the fallback ran (0: it did not).
   router_entropy: jax.Array     # [] float32, this shard's mean router entropy.
   receiver_overflow_rows: jax.Array  # [P] int32, the expert group's rows beyond each receiver's buffer.
 
 
 def moe_shard(x: jax.Array, router_w: jax.Array, experts: ExpertWeights, *, config: MoEConfig,
               backends: Backends, mesh_axes: tuple[str, ...], force_dropless: bool = False,
-              chunk_loop: fallback.ChunkLoop = fallback.scan_chunks
+              chunk_loop: fallback.ChunkLoop = fallback.scan_chunks,
+              ladder: fallback.Ladder = fallback.traffic_ladder
               ) -> tuple[jax.Array, ShardStats]:
   """`x [B, S, D]` -> `(y [B, S, D], ShardStats)` on one shard.
 
   Picks, statically, one of: the worst-case buffer (`force_dropless`); the chunked dropless
   path (`config.step_replay`); the capped path behind an overflow check that falls back to the
-  chunked path (`moe_dropless_fallback='layer'`; with adaptive chunking, to the fewest chunks
-  that fit); or the capped path alone.
+  chunked path (`moe_dropless_fallback='layer'`; with adaptive chunking, to the first rung of
+  `ladder` whose chunks fit, chosen at run time); or the capped path alone. `ladder` is
+  `fallback.traffic_ladder` but for benchmarks that compare ladders.
   """
   batch, seq, width = x.shape
   tokens, k = batch * seq, config.num_experts_per_tok
@@ -69,23 +71,23 @@ def moe_shard(x: jax.Array, router_w: jax.Array, experts: ExpertWeights, *, conf
             weights_.reshape(tokens, k), experts_, rows=capped_rows)
     return y.reshape(batch, seq, width)
 
-  def chunked(num_chunks):
-    # A chunk's buffer is the capped one, or its worst case if smaller: every rung but the
-    # last runs only when its chunks' actual traffic fits (see `adaptive_rung`).
-    chunk_rows = min(capped_rows, dispatch_plan.worst_case_rows(
-        shards, tokens // num_chunks, k, local))
+  def chunked(rung):
+    # rung.rows <= capped_rows; below a chunk's worst case, a rung runs only when its chunks'
+    # actual traffic fits (see `adaptive_rung`), so no rung drops a row.
     def run_chunks(operands, expert_ids):
       x_, weights_, experts_ = operands
       def chunk(x_c, ids_c, weights_c):
-        return run(x_c, ids_c, weights_c, experts_, rows=chunk_rows)
-      return fallback.chunked_dropless(chunk, x_, (expert_ids, weights_), num_chunks,
+        return run(x_c, ids_c, weights_c, experts_, rows=rung.rows)
+      return fallback.chunked_dropless(chunk, x_, (expert_ids, weights_), rung.chunks,
                                        chunk_loop)
     return run_chunks
 
-  def max_chunks():
-    return fallback.fallback_num_chunks(
+  def fixed():
+    num_chunks = fallback.fallback_num_chunks(
         batch=batch, seq=seq, k=k, shards=shards, local_experts=local, rows=capped_rows,
         requested=config.dropless_fallback_num_chunks)
+    return fallback.fixed_rung(capped_rows=capped_rows, worst_rows=worst_rows,
+                               max_chunks=num_chunks)
 
   operands = (x, weights, experts)
   zero = jnp.zeros((), jnp.int32)
@@ -94,24 +96,25 @@ def moe_shard(x: jax.Array, router_w: jax.Array, experts: ExpertWeights, *, conf
             rows=worst_rows).reshape(batch, seq, width)
     ran_fallback, dropped, chunks = zero, zero, zero
   elif config.step_replay:
-    num_chunks = max_chunks()
-    y = chunked(num_chunks)(operands, ids)
-    ran_fallback, dropped, chunks = jnp.ones((), jnp.int32), zero, jnp.int32(num_chunks)
+    rung = fixed()
+    y = chunked(rung)(operands, ids)
+    ran_fallback, dropped, chunks = jnp.ones((), jnp.int32), zero, jnp.int32(rung.chunks)
   elif config.moe_dropless_fallback == "layer" and capped_rows < worst_rows:
-    num_chunks = max_chunks()
+    last = fixed()
     if config.dropless_fallback_chunking == "adaptive":
-      rungs = fallback.chunk_ladder(num_chunks)
+      rungs = ladder(seq=seq, capped_rows=capped_rows, worst_rows=worst_rows,
+                     max_chunks=last.chunks)
       index = adaptive_rung(ids, rungs, capped_rows, config=config, mesh_axes=mesh_axes)
       y = fallback.switch_with_recompute(index, (capped, *map(chunked, rungs)), operands, ids)
     else:
       # Uniform over every mesh axis: each device's cond must take the same branch as its
       # peers in every collective inside the branches.
       overflow = jax.lax.pmax(would_drop > 0, mesh_axes)
-      y = fallback.cond_with_recompute(overflow, chunked(num_chunks), capped, operands, ids)
-      rungs, index = (num_chunks,), overflow.astype(jnp.int32)
+      y = fallback.cond_with_recompute(overflow, chunked(last), capped, operands, ids)
+      rungs, index = (last,), overflow.astype(jnp.int32)
     ran_fallback = (index > 0).astype(jnp.int32)
     dropped = jnp.where(index > 0, 0, would_drop)
-    chunks = jnp.asarray((0, *rungs), jnp.int32)[index]
+    chunks = jnp.asarray((0, *(r.chunks for r in rungs)), jnp.int32)[index]
   else:
     y = capped(operands, ids)
     ran_fallback, dropped, chunks = zero, would_drop, zero
@@ -130,15 +133,17 @@ def moe_shard(x: jax.Array, router_w: jax.Array, experts: ExpertWeights, *, conf
   return y.astype(x.dtype), stats
 
 
-def adaptive_rung(expert_ids: jax.Array, rungs: tuple[int, ...], rows: int, *,
+def adaptive_rung(expert_ids: jax.Array, rungs: tuple[fallback.Rung, ...], rows: int, *,
                   config: MoEConfig, mesh_axes: tuple[str, ...]) -> jax.Array:
-  """Branch to run (int32 scalar, the same on every device): 0 for the capped layer when
-  nothing overflows, else 1 + the first rung of `rungs` (chunk counts, each dividing the last)
-  whose every chunk fits `rows` on every receiver. `expert_ids [B, S, K]` is this shard's
-  routing; the finest chunks' counts are all-gathered over the expert axis to `[P, n, E]`."""
-  fine = jax.lax.all_gather(fallback.chunk_counts(expert_ids, rungs[-1], config.num_experts),
-                            config.expert_axis)
+  """Branch to run (int32 scalar, the same on every device): 0 for the capped layer (one
+  chunk of `rows` rows) when nothing overflows, else 1 + the first of `rungs` whose every
+  chunk fits its buffer on every receiver. `expert_ids [B, S, K]` is this shard's routing;
+  its rows per expert in the rungs' finest chunks are all-gathered over the expert axis to
+  `[P, f, E]`."""
+  ladder = (fallback.Rung(1, rows), *rungs)
+  fine = fallback.chunk_counts(expert_ids, fallback.finest_chunks(ladder), config.num_experts)
+  fine = jax.lax.all_gather(fine, config.expert_axis)
   # A rung fits only if it fits on every expert group: pmax the overflow flags over every
   # mesh axis, as the fixed fallback does its predicate.
-  overflows = jax.lax.pmax(fallback.rung_overflows(fine, (1, *rungs), rows), mesh_axes)
+  overflows = jax.lax.pmax(fallback.rung_overflows(fine, ladder), mesh_axes)
   return fallback.first_fit(overflows)

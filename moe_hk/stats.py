@@ -15,7 +15,10 @@ class MoEStats(NamedTuple):
   tokens_per_expert: jax.Array  # [E] int32, routed rows per expert over the whole batch.
   lb_loss: jax.Array            # [] float32, load-balance loss x load_balance_loss_weight.
   z_loss: jax.Array             # [] float32, router z-loss x router_z_loss_weight.
-  fallback_chunks: jax.Array    # [] int32, chunks the dropless fallback ran in (0 if it did not).
+  # [] int32, chunks the dropless fallback ran in (0 if it did not): the count of the rung
+  # that ran. Adaptive rungs of one count differ in buffer rows per chunk (see
+  # `moe_hk.fallback.traffic_ladder`): 2 means two chunks of at most the capped buffer each.
+  fallback_chunks: jax.Array
   router_entropy: jax.Array     # [] float32, mean over tokens of the router softmax's entropy (nats).
   # [P] int32, rows beyond the capped buffer of each receiving expert shard, summed over
   # expert groups (sums to would_drop_rows): which receivers overflowed.

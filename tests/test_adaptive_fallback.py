@@ -1,6 +1,7 @@
 """Adaptive fallback chunking: the fewest chunks that fit, dropless results, one rung everywhere."""
 import functools
 import itertools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -15,10 +16,13 @@ from tests.tree_close import assert_trees_close, relative_error
 
 PATHS = pytest.mark.parametrize("ring", [False, True], ids=["all_to_all", "ring"])
 
-# 8 shards, 16 experts, top-2, factor 1.25, one 64-token row per shard: R = 160 rows, and
-# only chunks of 8 tokens fit the worst case (8 x 8 x 2 = 128 rows): ladder 2, 8.
+# 8 shards, 16 experts, top-2, factor 1.25, one 64-token row per shard: R = 160 rows and a
+# worst case of 8 x 64 x 2 = 1024, so only chunks of 8 tokens always fit (128 rows).
 SHARDS, EXPERTS, K, FACTOR, BATCH, SEQ = 8, 16, 2, 1.25, 8, 64
-LADDER = (2, 8)
+ROWS, WORST, MAX_CHUNKS = 160, 1024, 8
+LADDER = fallback.traffic_ladder(seq=SEQ, capped_rows=ROWS, worst_rows=WORST,
+                                 max_chunks=MAX_CHUNKS)
+Rung = fallback.Rung
 
 
 def _config(**kw):
@@ -36,20 +40,22 @@ def _step(config, mesh_shape=(("expert", SHARDS),), **kw):
   return jax.jit(functools.partial(outputs_and_grads, layer))
 
 
-def reference_chunks(ids, *, num_devices: int, shards: int, num_experts: int, rungs,
-                     rows: int) -> int:
-  """Chunks the adaptive fallback must run (0: the capped layer), by plain loops.
+def reference_rung(ids, *, num_devices: int, shards: int, num_experts: int, ladder,
+                   rows: int) -> Rung:
+  """The rung the adaptive fallback must run, by plain loops: `Rung(1, rows)` (the capped
+  layer) or the first of `ladder` whose every chunk (the c-th block of T / n of a device's
+  tokens in (b, s) order) sends at most its rung's rows to every receiver's experts, summed
+  over the group's senders.
 
   `ids [B, S, K]`: routing of `num_devices` devices in mesh order, `shards` consecutive ones
-  per expert group. Returns the first of 1 and `rungs` whose every chunk (the c-th block of
-  T / n of a device's tokens in (b, s) order) sends at most `rows` rows to every receiver's
-  experts, summed over the group's senders.
+  per expert group.
   """
   k = np.shape(ids)[-1]
   per_device = np.asarray(ids).reshape(num_devices, -1, k)  # [dev, T, K]
   tokens = per_device.shape[1]
   local = num_experts // shards
-  for n in (1, *rungs):
+  for rung in (Rung(1, rows), *ladder):
+    n = rung.chunks
     fits = True
     for group in range(num_devices // shards):
       for c in range(n):
@@ -58,10 +64,10 @@ def reference_chunks(ids, *, num_devices: int, shards: int, num_experts: int, ru
           for sender in range(shards):
             chunk = per_device[group * shards + sender][c * tokens // n:(c + 1) * tokens // n]
             load += int(np.sum(chunk // local == receiver))
-          fits = fits and load <= rows
+          fits = fits and load <= rung.rows
     if fits:
-      return 0 if n == 1 else n
-  raise AssertionError(f"no rung of {rungs} fits {rows} rows")
+      return rung
+  raise AssertionError(f"no rung of {ladder} fits")
 
 
 def _routing(config, params, x):
@@ -75,36 +81,87 @@ def _rows(config, shards, tokens):
                                          config.ragged_buffer_factor)
 
 
-def test_chunk_ladder():
-  assert fallback.chunk_ladder(8) == (2, 8)
-  assert fallback.chunk_ladder(12) == (2, 12)
-  assert fallback.chunk_ladder(9) == (3, 9)
-  assert fallback.chunk_ladder(7) == (7,)
-  for n in range(2, 97):
-    ladder = fallback.chunk_ladder(n)
-    assert len(ladder) <= 2 and ladder[-1] == n and n % ladder[0] == 0, (n, ladder)
-    assert all(n % d for d in range(2, ladder[0])), (n, ladder)  # the smallest divisor
+def test_traffic_ladder_worked_example():
+  """The docstring's example: 8 shards, top-2, 16 experts, factor 1.5, 2,048 tokens."""
+  ladder = fallback.traffic_ladder(seq=256, capped_rows=6144, worst_rows=32768, max_chunks=8)
+  assert ladder == ((2, 3868), (4, 2435), (4, 3065), (4, 3859), (8, 2429), (8, 3058),
+                    (8, 4096)), ladder
+
+
+@pytest.mark.parametrize("seq,capped_rows,worst_rows", [
+    (SEQ, ROWS, WORST), (256, 6144, 32768), (512, 16384, 32768), (24, 100, 960),
+    (49, 70, 490), (512, 4096, 65536), (16, 32, 256), (64, 800, 1024)])
+def test_traffic_ladder_tracks_the_traffic_within_capped_buffers(seq, capped_rows, worst_rows):
+  # The automatic chunk count: the fewest chunks whose worst case fits the capped buffer.
+  max_chunks = next(n for n in range(1, seq + 1)
+                    if seq % n == 0 and worst_rows // n <= capped_rows)
+  ladder = fallback.traffic_ladder(seq=seq, capped_rows=capped_rows, worst_rows=worst_rows,
+                                   max_chunks=max_chunks)
+  *rungs, fixed = ladder
+  assert fixed == fallback.fixed_rung(capped_rows=capped_rows, worst_rows=worst_rows,
+                                      max_chunks=max_chunks)
+  assert fixed.chunks * fixed.rows == worst_rows  # the fixed rung fits every routing
+  for rung in ladder:
+    assert seq % rung.chunks == 0 and 2 <= rung.chunks <= max_chunks, ladder
+    assert rung.rows <= fixed.rows <= capped_rows, ladder  # no chunk's buffer exceeds the fixed one
+  # Rung i holds g^i capped buffers in all (rounded up to whole rows per chunk), each below
+  # its chunks' worst case; the rungs stop one step short of the fixed rung's total, or at
+  # LADDER_RUNGS.
+  growth, ratio = fallback.LADDER_GROWTH, worst_rows / capped_rows
+  steps = math.floor(math.log(ratio) / math.log(growth) + 1e-9) - 1
+  assert len(rungs) == max(0, min(steps, fallback.LADDER_RUNGS)), ladder
+  for i, rung in enumerate(rungs, start=1):
+    total = rung.chunks * rung.rows / capped_rows
+    assert growth ** i <= total < growth ** i + rung.chunks / capped_rows, (i, ladder)
+    assert rung.rows < worst_rows // rung.chunks, ladder
+    assert rung.chunks == min(n for n in range(math.ceil(growth ** i * capped_rows / fixed.rows),
+                                               seq + 1) if seq % n == 0), ladder
+  if len(rungs) < fallback.LADDER_RUNGS:
+    assert ratio < growth ** (len(rungs) + 2), ladder
+
+
+def test_traffic_ladder_with_requested_chunks():
+  """8 chunks requested where 2 hold the worst case: the rungs keep the requested chunks'
+  buffer (4096 rows), so every rung runs 8 chunks, of fewer rows than the fixed one."""
+  assert fallback.traffic_ladder(seq=512, capped_rows=16384, worst_rows=32768,
+                                 max_chunks=8) == ((8, 2579), (8, 3246), (8, 4096))
+
+
+def test_two_rung_ladder():
+  """The earlier ladder, kept for the benchmarks: p chunks of the capped buffer, then n."""
+  assert fallback.two_rung_ladder(seq=256, capped_rows=6144, worst_rows=32768,
+                                  max_chunks=8) == ((2, 6144), (8, 4096))
+  assert fallback.two_rung_ladder(seq=63, capped_rows=400, worst_rows=1260,
+                                  max_chunks=9) == ((3, 400), (9, 140))
+  assert fallback.two_rung_ladder(seq=49, capped_rows=70, worst_rows=490,
+                                  max_chunks=7) == ((7, 70),)
 
 
 def test_rung_choice_matches_loops():
   """The pure selection (fine counts -> merged chunk loads -> first fit) on one expert group."""
   shards, experts, k, batch, seq = 4, 8, 2, 2, 16
+  worst = shards * batch * seq * k
   rng = np.random.default_rng(0)
   chosen = set()
-  for skew, rows in itertools.product((0.0, 1.0, 3.0), (32, 40, 48, 64, 96)):
-    # Expert 0's extra share and the buffer set the fitting rung.
+  for skew, rows in itertools.product((0.0, 1.0, 3.0, 8.0), (32, 40, 48, 64, 96)):
+    # Experts 0 and 1 (receiver 0's) get an extra share; it and the buffer set the rung.
     logits = rng.normal(size=(shards * batch, seq, experts))
-    logits[..., 0] += skew
+    logits[..., :2] += skew
     ids = np.argsort(-logits, axis=-1)[..., :k]
-    fine = jnp.stack([fallback.chunk_counts(jnp.asarray(i), LADDER[-1], experts)
-                      for i in ids.reshape(shards, batch, seq, k)])  # [P, n, E]
-    flags = fallback.rung_overflows(fine, (1, *LADDER), rows)
-    got = (0, *LADDER)[int(fallback.first_fit(flags))]
-    want = reference_chunks(ids, num_devices=shards, shards=shards, num_experts=experts,
-                            rungs=LADDER, rows=rows)
+    max_chunks = fallback.fallback_num_chunks(batch=batch, seq=seq, k=k, shards=shards,
+                                              local_experts=experts // shards, rows=rows)
+    ladder = (Rung(1, rows), *fallback.traffic_ladder(
+        seq=seq, capped_rows=rows, worst_rows=worst, max_chunks=max_chunks))
+    fine = jnp.stack([fallback.chunk_counts(jnp.asarray(i), fallback.finest_chunks(ladder),
+                                            experts)
+                      for i in ids.reshape(shards, batch, seq, k)])  # [P, f, E]
+    flags = fallback.rung_overflows(fine, ladder)
+    got = ladder[int(fallback.first_fit(flags))]
+    want = reference_rung(ids, num_devices=shards, shards=shards, num_experts=experts,
+                          ladder=ladder[1:], rows=rows)
     assert got == want, (skew, rows, np.asarray(flags))
-    chosen.add(got)
-  assert chosen == {0, *LADDER}, chosen
+    chosen.add("capped" if got.chunks == 1 else "fixed" if got == ladder[-1] else "rung")
+  assert chosen == {"capped", "rung", "fixed"}, chosen
 
 
 def test_chunk_receiver_rows_merges_fine_chunks():
@@ -129,21 +186,25 @@ def test_switch_with_recompute_matches_switch():
 
 
 @PATHS
-@pytest.mark.parametrize("skew,severity", [(0.0, "mild"), (2.0, "severe")])
-def test_adaptive_equals_dropless(ring, skew, severity):
+@pytest.mark.parametrize("skew,seed,severity", [(0.0, 16, "mild"), (1.0, 1, "severe")])
+def test_adaptive_equals_dropless(ring, skew, seed, severity):
   config = _config(use_ring_of_experts=ring)
-  params, x = skewed_inputs(config, BATCH, SEQ, skew=skew, seed=1)
+  params, x = skewed_inputs(config, BATCH, SEQ, skew=skew, seed=seed)
   cot = jax.random.normal(jax.random.key(3), x.shape)
-  want = reference_chunks(_routing(config, params, x), num_devices=SHARDS, shards=SHARDS,
-                          num_experts=EXPERTS, rungs=LADDER,
-                          rows=_rows(config, SHARDS, BATCH // SHARDS * SEQ))
-  assert (want == 2) if severity == "mild" else (want > 2), want
+  assert _rows(config, SHARDS, BATCH // SHARDS * SEQ) == ROWS
+  want = reference_rung(_routing(config, params, x), num_devices=SHARDS, shards=SHARDS,
+                        num_experts=EXPERTS, ladder=LADDER, rows=ROWS)
+  # Mild: two chunks of a traffic-sized buffer, smaller than the capped one; severe: more.
+  if severity == "mild":
+    assert want.chunks == 2 and want.rows < ROWS, want
+  else:
+    assert want.chunks > 2 and want != LADDER[-1], want
 
   y, stats, grads = _step(config)(params, x, cot)
   y_ref, _, grads_ref = _step(config.replace(ragged_buffer_factor=-1))(params, x, cot)
   assert int(stats.would_drop_rows) > 0, "the case must really overflow the capped buffer"
   assert int(stats.fallback) == 1 and int(stats.dropped_rows) == 0
-  assert int(stats.fallback_chunks) == want
+  assert int(stats.fallback_chunks) == want.chunks
   assert_trees_close(y, y_ref, what="y")
   assert_trees_close(grads, grads_ref, what="grad")
 
@@ -156,7 +217,7 @@ def test_adaptive_equals_dropless(ring, skew, severity):
 
   # Fixed chunking runs (and reports) the worst-case count whatever the overflow.
   _, stats_fixed, _ = _step(config.replace(dropless_fallback_chunking="fixed"))(params, x, cot)
-  assert int(stats_fixed.fallback_chunks) == LADDER[-1]
+  assert int(stats_fixed.fallback_chunks) == LADDER[-1].chunks == MAX_CHUNKS
 
 
 @PATHS
@@ -179,17 +240,19 @@ def test_asymmetric_overflow_takes_one_rung_everywhere(ring):
   alone would run capped, and every device runs the first group's rung."""
   mesh = moe_hk.make_mesh(data=2, expert=4)
   config = _config(use_ring_of_experts=ring, ragged_buffer_factor=1.5)
-  batch, seq, ladder = 16, 16, fallback.chunk_ladder(4)
+  batch, seq = 16, 16
+  rows = _rows(config, 4, batch // 8 * seq)  # 96 rows; worst case 256, in 4 chunks of 64
+  ladder = fallback.traffic_ladder(seq=seq, capped_rows=rows, worst_rows=256, max_chunks=4)
   params, x = skewed_inputs(config, batch, seq, skew=2.0, seed=0, hot_rows=slice(0, 8))
   ids = np.asarray(_routing(config, params, x))
-  rung = functools.partial(reference_chunks, shards=4, num_experts=EXPERTS, rungs=ladder,
-                           rows=_rows(config, 4, batch // 8 * seq))
+  rung = functools.partial(reference_rung, shards=4, num_experts=EXPERTS, ladder=ladder,
+                           rows=rows)
   per_group = [rung(ids[g * 8:(g + 1) * 8], num_devices=4) for g in range(2)]
-  assert per_group[0] > 0 and per_group[1] == 0, per_group
+  assert per_group[0].chunks > 1 and per_group[1].chunks == 1, per_group
   assert rung(ids, num_devices=8) == per_group[0]
 
   y, seen = per_device_stats(config, mesh, params, x, ("fallback_chunks", "dropped_rows"))
   chunks, dropped = seen["fallback_chunks"], seen["dropped_rows"]
-  np.testing.assert_array_equal(chunks, per_group[0])
+  np.testing.assert_array_equal(chunks, per_group[0].chunks)
   np.testing.assert_array_equal(dropped, 0)
   assert_trees_close(y, dense_reference(K)(params, x)[0], what="y")

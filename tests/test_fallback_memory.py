@@ -12,6 +12,9 @@ from benchmarks import fallback_memory
 from moe_hk import aot
 
 PLATFORMS = ["cpu", "tpu"]
+# The library's modes: the fixed scan fallback, and adaptive chunking (a switch over the
+# capped path and the rungs (2, 0.63 R), (2, 0.79 R), (8, R / 4)).
+FALLBACKS = ["fallback_scan", "fallback_adaptive"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -19,11 +22,7 @@ def _mib(platform: str) -> dict:
   if platform == "tpu":
     pytest.importorskip("libtpu", reason="needs the libtpu wheel matching jax (jax[tpu])")
   return {v: aot.total_memory_bytes(fallback_memory.compile_step(v, platform, layers=0)) / 2**20
-          for v in fallback_memory.VARIANTS}
-
-
-# The fixed scan fallback, and adaptive chunking (a switch over capped, 2 and 8 chunks).
-FALLBACKS = ["fallback_scan", "fallback_adaptive"]
+          for v in ("worst_case", "capped", "fallback_unrolled", *FALLBACKS)}
 
 
 @pytest.mark.slow

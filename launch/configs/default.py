@@ -33,8 +33,10 @@ def get_config() -> ml_collections.ConfigDict:
       num_experts_per_tok=2,
       mlp_dim=256,                      # each expert's SwiGLU width
       ragged_buffer_factor=2.0,         # receive buffer = factor x balanced rows; -1 worst case
-      moe_dropless_fallback="layer",    # 'none' | 'layer' | 'step' (ring of experts only)
-      dropless_fallback_chunking="fixed",  # or 'adaptive': fewest chunks that fit at run time
+      moe_dropless_fallback="layer",    # 'none' | 'layer' | 'step'
+      # 'fixed': one compiled fallback branch, the quickest compile for this small CPU model;
+      # 'adaptive' (MoEConfig's default): a ladder of branches sized from the step's traffic.
+      dropless_fallback_chunking="fixed",
       dropless_fallback_num_chunks=0,   # 0 = the fewest whose worst case fits the buffer
       use_ring_of_experts=False,
       a2a_impl="auto",                  # 'native' (TPU/GPU) | 'emulated' (CPU) | by platform

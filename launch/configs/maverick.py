@@ -3,7 +3,7 @@
 48 layers alternating dense and MoE (128 experts, sigmoid top-1 plus a shared expert), width
 5120, MoE MLP 8192, dense MLP 16384, 40 query heads / 8 KV heads of 128, vocabulary 202,048,
 bfloat16 compute on float32 params + Adam, every layer group rematerialised. Mesh FSDP 8 x EP
-16 (v5p-256: 128 chips), 4 sequences of 8,192 per chip, buffer factor 2.0.
+16 (v5p-256: 128 chips), 4 sequences of 8,192 per chip, buffer factor 2.0, 32 fallback chunks.
 """
 import ml_collections
 
@@ -27,5 +27,10 @@ def get_config() -> ml_collections.ConfigDict:
   c.loss_chunk = 512        # a [4, 512, 202048] float32 logits block at a time
   c.moe.update(num_experts=128, num_experts_per_tok=1, mlp_dim=8192, ragged_buffer_factor=2.0,
                router_score="sigmoid", shared_expert=True)
+  # 32 fallback chunks of 1,024 tokens (a chunk's worst case is 1/4 of the capped buffer)
+  # rather than the fewest that fit (8, each the capped buffer's size): the TPU compiler does
+  # not overlap the chunk's buffers with the capped path's, and on v5p-256 the fallback step
+  # measured 86.91 GiB per chip with 8 chunks, 81.74 with 32, 81.74 with 64 (capped 79.94).
+  c.moe.dropless_fallback_num_chunks = 32
   c.data.update(source="synthetic", batch_size=4 * 128, seq_len=8192)
   return c
