@@ -21,7 +21,7 @@ import argparse
 import functools
 import json
 
-from benchmarks import fallback_memory, fallback_overhead, timing  # sets up 8 CPU devices
+from benchmarks import fallback_overhead, timing  # fallback_overhead sets up 8 CPU devices
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -49,10 +49,8 @@ def variant_layer(variant: str, mesh):
   config = config.replace(moe_dropless_fallback="layer",
                           dropless_fallback_chunking="fixed" if variant == "fixed" else
                           "adaptive")
-  if variant == "two_rung":
-    return functools.partial(fallback_memory.ladder_forward, config=config, mesh=mesh,
-                             ladder=fallback.two_rung_ladder)
-  return functools.partial(moe_hk.moe_forward, config=config, mesh=mesh)
+  ladder = fallback.two_rung_ladder if variant == "two_rung" else fallback.traffic_ladder
+  return functools.partial(moe_hk.moe_forward, config=config, mesh=mesh, ladder=ladder)
 
 
 def skewed(params: moe_hk.MoEParams, x: jax.Array, skew: float, seed: int = 1):

@@ -33,9 +33,7 @@ import optax  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 
 import moe_hk  # noqa: E402
-from moe_hk import aot, fallback, mesh as mesh_lib, sharded  # noqa: E402
-from moe_hk.ragged_path import ExpertWeights  # noqa: E402
-from moe_hk.shard_layer import moe_shard  # noqa: E402
+from moe_hk import aot, fallback, mesh as mesh_lib  # noqa: E402
 
 # The single-layer setting where token buffers dominate: 8 shards, top-2, 8 experts,
 # 64 x 512 tokens (4,096 per shard), emb 1024, MLP 2048. Not narrower: on TPU a width of 64 is
@@ -70,34 +68,11 @@ def variant_config(variant: str, **overrides) -> moe_hk.MoEConfig:
   }[variant]
 
 
-def ladder_forward(params: moe_hk.MoEParams, x: jax.Array, *, config: moe_hk.MoEConfig, mesh,
-                   ladder: fallback.Ladder) -> tuple[jax.Array, moe_hk.MoEStats]:
-  """`moe_hk.moe_forward` (without events) whose adaptive fallback picks from `ladder`: how
-  the benchmarks run the earlier two-rung ladder beside the library's. x `[B, S, D]`; the
-  mesh must not shard the experts over fsdp (this skips moe_forward's fsdp gather)."""
-  assert mesh.shape.get(mesh_lib.FSDP_AXIS, 1) == 1, mesh.shape
-  backends = sharded.resolve_backends(config, mesh)
-  axes = tuple(mesh.axis_names)
-
-  def shard_fn(x_local, router_w, wi_0, wi_1, wo):
-    y, local = moe_shard(x_local, router_w, ExpertWeights(wi_0, wi_1, wo), config=config,
-                         backends=backends, mesh_axes=axes, ladder=ladder)
-    return y, sharded.reduce_stats(local, mesh, config)
-
-  batch = mesh_lib.batch_spec(mesh)
-  stats = moe_hk.MoEStats(*([jax.sharding.PartitionSpec()] * len(moe_hk.MoEStats._fields)))
-  fn = jax.shard_map(shard_fn, mesh=mesh, in_specs=(batch, *moe_hk.param_specs(config, mesh)),
-                     out_specs=(batch, stats))
-  return fn(x, *params)
-
-
 def variant_layer(variant: str, config: moe_hk.MoEConfig, mesh):
   """`(params, x) -> (y, stats)` of `variant`'s layer."""
-  if variant == "fallback_two_rung":
-    return functools.partial(ladder_forward, config=config, mesh=mesh,
-                             ladder=fallback.two_rung_ladder)
-  loop = {"chunk_loop": fallback.unrolled_chunks} if variant == "fallback_unrolled" else {}
-  return functools.partial(moe_hk.moe_forward, config=config, mesh=mesh, **loop)
+  swap = {"fallback_two_rung": {"ladder": fallback.two_rung_ladder},
+          "fallback_unrolled": {"chunk_loop": fallback.unrolled_chunks}}.get(variant, {})
+  return functools.partial(moe_hk.moe_forward, config=config, mesh=mesh, **swap)
 
 
 def make_mesh(platform: str):

@@ -125,7 +125,8 @@ def _per_device(value: jax.Array, axes: tuple[str, ...], devices: int) -> jax.Ar
 def moe_forward(params: MoEParams, x: jax.Array, *, config: MoEConfig, mesh: Mesh,
                 step: jax.Array | int | None = None, layer_index: jax.Array | int | None = None,
                 force_dropless: bool = False,
-                chunk_loop: fallback.ChunkLoop = fallback.scan_chunks
+                chunk_loop: fallback.ChunkLoop = fallback.scan_chunks,
+                ladder: fallback.Ladder = fallback.traffic_ladder
                 ) -> tuple[jax.Array, MoEStats]:
   """The MoE layer as a pure function: `x [B, S, D]` -> `(y [B, S, D], MoEStats)`.
 
@@ -134,7 +135,8 @@ def moe_forward(params: MoEParams, x: jax.Array, *, config: MoEConfig, mesh: Mes
   from the fallback branch (`config.emit_fallback_events`) and, with
   `config.log_required_ragged_buffer_factor`, every step.
   `force_dropless` runs the worst-case buffer (no truncation, no fallback). `chunk_loop` runs
-  the fallback's chunks (benchmarks swap in an unrolled loop to compare). Raises `ValueError`
+  the fallback's chunks and `ladder` lists the adaptive fallback's rungs (benchmarks swap in an
+  unrolled loop and the earlier ladder to compare). Raises `ValueError`
   for a mesh or input that does not fit.
   """
   mesh_lib.validate_mesh(config, mesh)
@@ -149,7 +151,8 @@ def moe_forward(params: MoEParams, x: jax.Array, *, config: MoEConfig, mesh: Mes
   def shard_fn(x_local, router_w, wi_0, wi_1, wo):
     experts = _gather_fsdp(ExpertWeights(wi_0, wi_1, wo), mesh, config)
     y, local = moe_shard(x_local, router_w, experts, config=config, backends=backends,
-                         mesh_axes=axes, force_dropless=force_dropless, chunk_loop=chunk_loop)
+                         mesh_axes=axes, force_dropless=force_dropless, chunk_loop=chunk_loop,
+                         ladder=ladder)
     return y, reduce_stats(local, mesh, config)
 
   specs = param_specs(config, mesh)
