@@ -72,8 +72,8 @@ def moe_shard(x: jax.Array, router_w: jax.Array, experts: ExpertWeights, *, conf
     return y.reshape(batch, seq, width)
 
   def chunked(rung):
-    # rung.rows <= capped_rows; below a chunk's worst case, a rung runs only when its chunks'
-    # actual traffic fits (see `adaptive_rung`), so no rung drops a row.
+    # rung.rows <= the fixed rung's <= capped_rows; below a chunk's worst case, a rung runs
+    # only when its chunks' actual traffic fits (see `adaptive_rung`), so no rung drops a row.
     def run_chunks(operands, expert_ids):
       x_, weights_, experts_ = operands
       def chunk(x_c, ids_c, weights_c):

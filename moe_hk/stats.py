@@ -17,7 +17,7 @@ class MoEStats(NamedTuple):
   z_loss: jax.Array             # [] float32, router z-loss x router_z_loss_weight.
   # [] int32, chunks the dropless fallback ran in (0 if it did not): the count of the rung
   # that ran. Adaptive rungs of one count differ in buffer rows per chunk (see
-  # `moe_hk.fallback.traffic_ladder`): 2 means two chunks of at most the capped buffer each.
+  # `moe_hk.fallback.traffic_ladder`), each chunk no larger than the fixed fallback's.
   fallback_chunks: jax.Array
   router_entropy: jax.Array     # [] float32, mean over tokens of the router softmax's entropy (nats).
   # [P] int32, rows beyond the capped buffer of each receiving expert shard, summed over
