@@ -46,8 +46,8 @@ VARIANTS = ("worst_case", "capped", "fallback_scan", "fallback_adaptive", "fallb
             "fallback_unrolled")
 # The setting's automatic chunk count is 2; the adaptive variants ask for 8 chunks, so that
 # the two-rung ladder has two rungs, (2 chunks, R rows) and (8, R / 4). `traffic_ladder` then
-# has (2, 0.63 R), (2, 0.79 R), (8, R / 4) at factor 2, and five rungs and (8, R / 2) at
-# factor 1.
+# has (8, 0.16 R), (8, 0.20 R), (8, R / 4) at factor 2 (no rung's chunks above the fixed
+# rung's), and five rungs and (8, R / 2) at factor 1.
 ADAPTIVE_MAX_CHUNKS = 8
 
 
