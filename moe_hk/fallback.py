@@ -161,10 +161,9 @@ def traffic_ladder(*, seq: int, capped_rows: int, worst_rows: int, max_chunks: i
     total = LADDER_GROWTH ** i * capped_rows
     if total * LADDER_GROWTH > worst_rows:
       break
-    chunks = next((n for n in range(math.ceil(total / fixed.rows), max_chunks + 1)
-                   if seq % n == 0), None)
-    if chunks is None:
-      break
+    # max_chunks divides seq and total / fixed.rows < max_chunks (total < worst_rows / g).
+    chunks = next(n for n in range(math.ceil(total / fixed.rows), max_chunks + 1)
+                  if seq % n == 0)
     rows = math.ceil(total / chunks)
     if rows < worst_rows // chunks:
       rungs.append(Rung(chunks, rows))
