@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $@
 
 test: $(STAMP)
-	$(VENV)/bin/python -m pytest -q tests
+	$(VENV)/bin/python -m pytest -q --durations=20 tests
 
 # The main job: trains the default MoE transformer on 8 simulated CPU devices (resumes if
 # workdir/default holds a run).

@@ -7,8 +7,8 @@ The topology is a TPU slice (`v5p-256`, i.e. 128 chips, or `v5p:4x4x8`), compile
 libtpu with no TPU attached, or `cpu:N` (N simulated CPU devices). Every variant compiles the
 same step as `launch.train` (value-and-grad, AdamW, donated state), differing only in the MoE
 layers: the worst-case buffer, the capped buffer (rows may drop), capped + `layer` fallback
-(scan of checkpointed chunks; also `fallback_adaptive`), `step` mode (the capped step that
-replays itself dropless in-graph, on the config's path), and capped + a Python-unrolled chunk
+(scan of checkpointed chunks; also `fallback_adaptive`), `step` mode (dropless from the step's
+first overflowing MoE layer on, on the config's path), and capped + a Python-unrolled chunk
 loop (the naive form, `moe_hk.fallback.unrolled_chunks`). Prints JSON, then a table
 of per-device memory (arguments + outputs + temporaries - aliased) from
 `compiled.memory_analysis()`, and the step's matmul FLOPs (all devices, loops at their trip

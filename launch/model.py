@@ -23,7 +23,7 @@ from jax.sharding import Mesh
 
 import moe_hk
 from launch import attention as attention_lib
-from moe_hk import fallback
+from moe_hk import fallback, step_replay
 
 
 class ModelOutput(NamedTuple):
@@ -51,8 +51,8 @@ REMAT_POLICIES = {
 LAUNCHER_MOE_KEYS = ("shared_expert", "autotune_ragged_buffer_factor", "target_fallback_frequency",
                      "memory_budget_gib", "autotune_window", "autotune_max_programs",
                      "autotune_wait", "traffic_max_mib")
-# `MoEConfig` fields the launcher sets itself: the model's width and dtype, the replay flag.
-DERIVED_MOE_FIELDS = ("emb_dim", "dtype", "step_replay")
+# `MoEConfig` fields the launcher sets itself: the model's width and dtype.
+DERIVED_MOE_FIELDS = ("emb_dim", "dtype")
 
 
 def moe_config_keys() -> tuple[str, ...]:
@@ -126,23 +126,25 @@ def swiglu(x: jax.Array, hidden: int) -> jax.Array:
 class Transformer(hk.Module):
   """Tokens `[B, S]` int -> `ModelOutput`.
 
-  MoE blocks label their metric events with `step` and their ordinal among MoE blocks.
-  `replay` builds the step-mode replay graph (every MoE layer chunked and dropless, same
-  parameters). `chunk_loop` replaces the MoE fallback's chunk loop (only `launch.aot` does,
-  to measure the unrolled loop the scan is compared with).
+  MoE blocks label their metric events with `step` and their ordinal among MoE blocks. In
+  'step' fallback mode the layer stack carries `moe_hk.step_replay`'s flag beside the
+  activations, so every MoE layer after an overflow runs dropless. `chunk_loop` replaces the
+  MoE fallback's chunk loop (only `launch.aot` does, to measure the unrolled loop the scan is
+  compared with).
   """
 
-  def __init__(self, config: ml_collections.ConfigDict, mesh: Mesh, replay: bool = False,
+  def __init__(self, config: ml_collections.ConfigDict, mesh: Mesh,
                chunk_loop: fallback.ChunkLoop = fallback.scan_chunks, name=None):
     super().__init__(name=name)
     self.config = config
     self.mesh = mesh
-    self.moe_config = moe_config(config).for_step_replay() if replay else moe_config(config)
+    self.moe_config = moe_config(config)
     self.chunk_loop = chunk_loop
 
-  def _group(self, x: jax.Array, moe_index: jax.Array, step: jax.Array | None
-             ) -> tuple[jax.Array, moe_hk.MoEStats]:
-    """`moe_every - 1` dense blocks and one MoE block: `[B, S, D]` -> same, and its stats."""
+  def _group(self, x: jax.Array, after_overflow: jax.Array | None, moe_index: jax.Array,
+             step: jax.Array | None) -> tuple[jax.Array, moe_hk.MoEStats]:
+    """`moe_every - 1` dense blocks and one MoE block: `[B, S, D]` -> same, and its stats.
+    `after_overflow`: the 'step'-mode flag (None in the other modes)."""
     c = self.config
     stats = None
     for i in range(c.moe_every):
@@ -152,7 +154,8 @@ class Transformer(hk.Module):
         if i == c.moe_every - 1:
           layer = moe_hk.MoELayer(self.moe_config, self.mesh, chunk_loop=self.chunk_loop,
                                   name="moe")
-          y, stats = layer(h, step=step, layer_index=moe_index, return_stats=True)
+          y, stats = layer(h, step=step, layer_index=moe_index, return_stats=True,
+                           after_overflow=after_overflow)
           y = checkpoint_name(y, "moe_out")
           if c.moe.shared_expert:
             with hk.name_scope("shared_expert"):
@@ -167,13 +170,17 @@ class Transformer(hk.Module):
     c = self.config
     embed = hk.Embed(c.vocab_size, c.emb_dim, name="embed")
     x = embed(tokens).astype(jnp.dtype(c.dtype))
-    group = lambda x_, index: self._group(x_, index, step)
+    def group(carry, index):
+      x_, after = carry
+      x_, stats = self._group(x_, after, index, step)
+      return (x_, None if after is None else step_replay.overflowed(after, stats)), stats
     policy = REMAT_POLICIES[c.remat_policy]
     if policy is not None:
       group = hk.remat(group, policy=policy)
     num_groups = c.num_layers // c.moe_every
-    x, stats = hk.layer_stack(num_groups, with_per_layer_inputs=True, name="groups")(group)(
-        x, jnp.arange(num_groups, dtype=jnp.int32))
+    after = jnp.zeros((), bool) if self.moe_config.moe_dropless_fallback == "step" else None
+    (x, _), stats = hk.layer_stack(num_groups, with_per_layer_inputs=True, name="groups")(
+        group)((x, after), jnp.arange(num_groups, dtype=jnp.int32))
     return ModelOutput(rms_norm(x, "final_norm"), embed.embeddings, stats)
 
 

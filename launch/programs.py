@@ -1,6 +1,5 @@
 """Train-step programs: one `(state, batch) -> (state, outputs)` per MoE buffer factor, the
-run's own jitted step or one compiled ahead for an autopilot candidate (a `'step'`-mode
-program holds its replay in-graph, `launch.steps`).
+run's own jitted step or one compiled ahead for an autopilot candidate (`launch.steps`).
 """
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 Shared by the training loop (`launch.trainer`) and the AOT compiler (`launch.aot`), so both
 compile exactly the same step: params and Adam state sharded FSDP-style (`launch.sharding`),
 the batch `[B, S + 1]` sharded over every mesh axis, the state donated (in every MoE fallback
-mode, `'step'` included).
+mode: `'step'` runs in the same single pass, `moe_hk.step_replay`).
 """
 from __future__ import annotations
 
@@ -79,22 +79,22 @@ def loss_fn(model: hk.Transformed, config, params, batch, step):
   return ce + aux, (ce, out.moe_stats)
 
 
-def _transformed(config, mesh: Mesh, replay: bool, chunk_loop) -> hk.Transformed:
+def _transformed(config, mesh: Mesh, chunk_loop) -> hk.Transformed:
   return hk.transform(lambda tokens, step: Transformer(
-      config, mesh, replay=replay, chunk_loop=chunk_loop, name="model")(tokens, step))
+      config, mesh, chunk_loop=chunk_loop, name="model")(tokens, step))
 
 
 def make_steps(config: ml_collections.ConfigDict, mesh: Mesh,
                chunk_loop: fallback.ChunkLoop = fallback.scan_chunks) -> Steps:
   """Builds the jitted steps; the train step donates the state. In
-  `moe.moe_dropless_fallback='step'` mode the train step replays itself in-graph with every
-  MoE layer on the chunked dropless path when any layer overflowed (`moe_hk.step_replay`);
-  its outputs then hold `replayed` (bool scalar)."""
+  `moe.moe_dropless_fallback='step'` mode a step in which a MoE layer overflowed runs every
+  MoE layer from that one on the chunked dropless path (`moe_hk.step_replay`); its outputs
+  then hold `replayed` (bool scalar)."""
   layer_config = moe_config(config)
   step_mode = layer_config.moe_dropless_fallback == "step"
   tx, schedule = make_optimizer(config)
   batch_sharding = NamedSharding(mesh, P(tuple(mesh.axis_names)))
-  model = _transformed(config, mesh, False, chunk_loop)
+  model = _transformed(config, mesh, chunk_loop)
 
   def init(rng):
     tokens = jnp.zeros((config.data.batch_size, config.data.seq_len), jnp.int32)
@@ -106,15 +106,9 @@ def make_steps(config: ml_collections.ConfigDict, mesh: Mesh,
 
   def train_step(state, batch):
     loss = functools.partial(loss_fn, model, config)
-    if step_mode:
-      replay = functools.partial(loss_fn, _transformed(config, mesh, True, chunk_loop), config)
-      gradients, (ce, stats), replayed = step_replay.grads_with_replay(
-          loss, replay, state.params, batch, state.step)
-      extra = {"replayed": replayed}
-    else:
-      (_, (ce, stats)), gradients = jax.value_and_grad(loss, has_aux=True)(
-          state.params, batch, state.step)
-      extra = {}
+    (_, (ce, stats)), gradients = jax.value_and_grad(loss, has_aux=True)(
+        state.params, batch, state.step)
+    extra = {"replayed": step_replay.any_overflow(stats)} if step_mode else {}
     updates, opt_state = tx.update(gradients, state.opt_state, state.params)
     new_state = TrainState(state.step + 1, optax.apply_updates(state.params, updates), opt_state)
     return new_state, {"loss": ce, "grad_norm": optax.tree.norm(gradients),

@@ -4,8 +4,8 @@ Builds the mesh and the jitted steps (`launch.steps`); restores the latest orbax
 `workdir/checkpoints` if any; trains with the MoE metrics pipeline (TensorBoard tags and
 alerts in `workdir`), periodic eval and checkpoints (train state, data iterator, the MoE
 metrics' trailing windows); on SIGTERM finishes the current step, checkpoints it and returns.
-In `moe.moe_dropless_fallback='step'` mode an overflowing step replays itself dropless within
-the same compiled step (its outputs say whether it did). Works the
+In `moe.moe_dropless_fallback='step'` mode an overflowing step runs dropless from its first
+overflowing MoE layer on, in the same compiled step (its outputs say whether it did). Works the
 same with one process or many (`jax.distributed`).
 """
 from __future__ import annotations

@@ -33,8 +33,9 @@ class MoEConfig:
   # Receive buffer per EP shard = factor x balanced rows (T * K); -1 = worst case (never drops).
   ragged_buffer_factor: float = -1.0
   # What happens when a shard's buffer would overflow: 'none' drops rows, 'layer' reruns the
-  # layer dropless over token chunks, 'step' recomputes the whole train step with every MoE
-  # layer chunked and dropless when any layer overflowed (either path; one compiled step).
+  # layer dropless over token chunks, 'step' runs the step dropless from its first
+  # overflowing MoE layer on: that layer and every later one take the chunked path (the layers
+  # before it fit their buffers, so their capped forward is the dropless one). Either path.
   moe_dropless_fallback: str = "none"
   # 0 picks the fewest token chunks whose worst-case buffer fits the capped one.
   dropless_fallback_num_chunks: int = 0
@@ -43,12 +44,9 @@ class MoEConfig:
   # 2.0, ... capped buffers in all, up to 3.98, then the count above) whose every chunk fits,
   # so an overflow costs about what its rows need. 'fixed' always runs the count above (n,
   # sized for the worst case, whatever the overflow), one compiled branch: the shortest
-  # compile (each rung is a compiled branch). The 'step' replay always runs n.
+  # compile (each rung is a compiled branch). 'step' mode always runs n.
   dropless_fallback_chunking: str = "adaptive"
   use_ring_of_experts: bool = False   # All-gather tokens instead of the ragged all-to-all.
-  # Set in the replay graph of moe_dropless_fallback='step' (see `for_step_replay`): every
-  # layer runs the chunked dropless path, never the worst-case buffer.
-  step_replay: bool = False
   a2a_impl: str = "auto"              # 'native' (TPU/GPU), 'emulated' (CPU), 'auto' by platform.
   gmm_impl: str = "auto"              # 'ragged_dot' (TPU), 'blocked' (CPU, GPU), or by platform.
   gmm_block_rows: int = 128           # Row block of the 'blocked' grouped matmul.
@@ -120,13 +118,6 @@ class MoEConfig:
   def capped(self) -> bool:
     """True when the receive buffer is smaller than the worst case can be."""
     return self.ragged_buffer_factor != -1
-
-  def for_step_replay(self) -> "MoEConfig":
-    """The config of the step-mode replay graph."""
-    if self.moe_dropless_fallback != "step":
-      _fail("moe_dropless_fallback", self.moe_dropless_fallback,
-            "for_step_replay() needs moe_dropless_fallback='step'")
-    return self.replace(step_replay=True)
 
   def replace(self, **changes) -> "MoEConfig":
     return dataclasses.replace(self, **changes)

@@ -36,7 +36,7 @@ class LayerEvent(NamedTuple):
   step: int
   layer: int         # 0-based ordinal among the model's MoE layers.
   shard: int         # The reporting process (jax.process_index()).
-  attempt: int       # 0 = first try of the step, 1 = its step-mode replay.
+  attempt: int       # 1 = 'step' mode ran this layer dropless (an overflow here or before), else 0.
   stats: tuple       # The layer's global `moe_hk.MoEStats` for the step, as numpy arrays.
 
 
@@ -83,7 +83,7 @@ def _deliver(name: str, stats_type: type, layout: tuple, ints, floats) -> None:
 
 
 def emit_layer_event(stats: tuple, *, step: jax.Array, layer: jax.Array, shard: int,
-                     attempt: int, every_step: bool) -> None:
+                     attempt: jax.Array | int, every_step: bool) -> None:
   """Calls back to the host with this layer's `MoEStats`: a `FALLBACK_EVENT` when
   `stats.fallback` is set, and, if `every_step`, a `CAPPED_EVENT` otherwise."""
   layout, ints, floats = _pack([step, layer, jnp.int32(shard), jnp.int32(attempt)], stats)

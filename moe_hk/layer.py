@@ -61,10 +61,13 @@ class MoELayer(hk.Module):
 
   def __call__(self, x: jax.Array, *, step: jax.Array | None = None,
                layer_index: jax.Array | None = None, return_stats: bool = False,
-               force_dropless: bool = False) -> jax.Array | tuple[jax.Array, MoEStats]:
+               force_dropless: bool = False, after_overflow: jax.Array | None = None
+               ) -> jax.Array | tuple[jax.Array, MoEStats]:
     """`step` and `layer_index` (optional, may be traced) only label the metric events the
     layer streams to the host (none without `step`, none during `init`); `force_dropless`
-    uses the worst-case buffer (no truncation, no fallback)."""
+    uses the worst-case buffer (no truncation, no fallback); `after_overflow` ('step' mode:
+    an earlier MoE layer of the step overflowed, see `moe_hk.step_replay`) runs the chunked
+    dropless path."""
     # Before any parameter exists: a mesh that does not fit must fail with the project's
     # ValueError, not with jax's sharding errors from the initializers.
     mesh_lib.validate_mesh(self.config, self.mesh)
@@ -72,7 +75,8 @@ class MoELayer(hk.Module):
     params = _get_params(self.config, self.mesh)
     y, stats = moe_forward(params, x, config=self.config, mesh=self.mesh,
                            step=None if hk.running_init() else step, layer_index=layer_index,
-                           force_dropless=force_dropless, chunk_loop=self.chunk_loop)
+                           force_dropless=force_dropless, chunk_loop=self.chunk_loop,
+                           after_overflow=after_overflow)
     if return_stats:
       return y, stats
     hk.set_state("stats", stats)

@@ -37,15 +37,18 @@ class ShardStats(NamedTuple):
 def moe_shard(x: jax.Array, router_w: jax.Array, experts: ExpertWeights, *, config: MoEConfig,
               backends: Backends, mesh_axes: tuple[str, ...], force_dropless: bool = False,
               chunk_loop: fallback.ChunkLoop = fallback.scan_chunks,
-              ladder: fallback.Ladder = fallback.traffic_ladder
+              ladder: fallback.Ladder = fallback.traffic_ladder,
+              after_overflow: jax.Array | None = None
               ) -> tuple[jax.Array, ShardStats]:
   """`x [B, S, D]` -> `(y [B, S, D], ShardStats)` on one shard.
 
-  Picks, statically, one of: the worst-case buffer (`force_dropless`); the chunked dropless
-  path (`config.step_replay`); the capped path behind an overflow check that falls back to the
-  chunked path (`moe_dropless_fallback='layer'`; with adaptive chunking, to the first rung of
-  `ladder` whose chunks fit, chosen at run time); or the capped path alone. `ladder` is
-  `fallback.traffic_ladder` but for benchmarks that compare ladders.
+  Picks, statically, one of: the worst-case buffer (`force_dropless`); the capped path behind
+  an overflow check that falls back to the chunked dropless path (`moe_dropless_fallback`
+  'layer' or 'step'; 'layer' with adaptive chunking falls back to the first rung of `ladder`
+  whose chunks fit, chosen at run time); or the capped path alone. In 'step' mode the check
+  also takes the chunked path when `after_overflow` (bool scalar, the same on every device)
+  says an earlier MoE layer of the step overflowed. `ladder` is `fallback.traffic_ladder` but
+  for benchmarks that compare ladders.
   """
   batch, seq, width = x.shape
   tokens, k = batch * seq, config.num_experts_per_tok
@@ -95,13 +98,9 @@ def moe_shard(x: jax.Array, router_w: jax.Array, experts: ExpertWeights, *, conf
     y = run(x.reshape(tokens, width), route.expert_ids, route.weights, experts,
             rows=worst_rows).reshape(batch, seq, width)
     ran_fallback, dropped, chunks = zero, zero, zero
-  elif config.step_replay:
-    rung = fixed()
-    y = chunked(rung)(operands, ids)
-    ran_fallback, dropped, chunks = jnp.ones((), jnp.int32), zero, jnp.int32(rung.chunks)
-  elif config.moe_dropless_fallback == "layer" and capped_rows < worst_rows:
+  elif config.moe_dropless_fallback != "none" and capped_rows < worst_rows:
     last = fixed()
-    if config.dropless_fallback_chunking == "adaptive":
+    if config.moe_dropless_fallback == "layer" and config.dropless_fallback_chunking == "adaptive":
       rungs = ladder(seq=seq, capped_rows=capped_rows, worst_rows=worst_rows,
                      max_chunks=last.chunks)
       index = adaptive_rung(ids, rungs, capped_rows, config=config, mesh_axes=mesh_axes)
@@ -110,6 +109,8 @@ def moe_shard(x: jax.Array, router_w: jax.Array, experts: ExpertWeights, *, conf
       # Uniform over every mesh axis: each device's cond must take the same branch as its
       # peers in every collective inside the branches.
       overflow = jax.lax.pmax(would_drop > 0, mesh_axes)
+      if after_overflow is not None:
+        overflow = jnp.logical_or(overflow, after_overflow)
       y = fallback.cond_with_recompute(overflow, chunked(last), capped, operands, ids)
       rungs, index = (last,), overflow.astype(jnp.int32)
     ran_fallback = (index > 0).astype(jnp.int32)

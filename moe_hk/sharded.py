@@ -126,7 +126,8 @@ def moe_forward(params: MoEParams, x: jax.Array, *, config: MoEConfig, mesh: Mes
                 step: jax.Array | int | None = None, layer_index: jax.Array | int | None = None,
                 force_dropless: bool = False,
                 chunk_loop: fallback.ChunkLoop = fallback.scan_chunks,
-                ladder: fallback.Ladder = fallback.traffic_ladder
+                ladder: fallback.Ladder = fallback.traffic_ladder,
+                after_overflow: jax.Array | bool | None = None
                 ) -> tuple[jax.Array, MoEStats]:
   """The MoE layer as a pure function: `x [B, S, D]` -> `(y [B, S, D], MoEStats)`.
 
@@ -136,11 +137,18 @@ def moe_forward(params: MoEParams, x: jax.Array, *, config: MoEConfig, mesh: Mes
   `config.log_required_ragged_buffer_factor`, every step.
   `force_dropless` runs the worst-case buffer (no truncation, no fallback). `chunk_loop` runs
   the fallback's chunks and `ladder` lists the adaptive fallback's rungs (benchmarks swap in an
-  unrolled loop and the earlier ladder to compare). Raises `ValueError`
-  for a mesh or input that does not fit.
+  unrolled loop and the earlier ladder to compare). `after_overflow` (bool scalar, 'step' mode
+  only; `moe_hk.step_replay.overflowed` carries it from layer to layer) says that an earlier
+  MoE layer of this step overflowed: this layer then runs the chunked dropless path too, and
+  its events carry attempt 1. Raises `ValueError` for a mesh or input that does not fit.
   """
   mesh_lib.validate_mesh(config, mesh)
   mesh_lib.validate_input(config, mesh, x.shape)
+  step_mode = config.moe_dropless_fallback == "step"
+  if after_overflow is not None and not step_mode:
+    raise ValueError("after_overflow is only for moe_dropless_fallback='step', not "
+                     f"{config.moe_dropless_fallback!r}.")
+  after = jnp.asarray(False if after_overflow is None else after_overflow, bool)
   backends = resolve_backends(config, mesh)
   batch = mesh_lib.batch_spec(mesh)
   axes = tuple(mesh.axis_names)
@@ -148,22 +156,22 @@ def moe_forward(params: MoEParams, x: jax.Array, *, config: MoEConfig, mesh: Mes
   labels = jnp.asarray([0 if step is None else step, 0 if layer_index is None else layer_index],
                        jnp.int32)
 
-  def shard_fn(x_local, router_w, wi_0, wi_1, wo):
+  def shard_fn(x_local, after_local, router_w, wi_0, wi_1, wo):
     experts = _gather_fsdp(ExpertWeights(wi_0, wi_1, wo), mesh, config)
     y, local = moe_shard(x_local, router_w, experts, config=config, backends=backends,
                          mesh_axes=axes, force_dropless=force_dropless, chunk_loop=chunk_loop,
-                         ladder=ladder)
+                         ladder=ladder, after_overflow=after_local if step_mode else None)
     return y, reduce_stats(local, mesh, config)
 
   specs = param_specs(config, mesh)
-  fn = jax.shard_map(shard_fn, mesh=mesh, in_specs=(batch, *specs),
+  fn = jax.shard_map(shard_fn, mesh=mesh, in_specs=(batch, P(), *specs),
                      out_specs=(batch, stats_specs))
-  y, stats = fn(x, *params)
+  y, stats = fn(x, after, *params)
   every_step = config.log_required_ragged_buffer_factor
   can_fall_back = config.emit_fallback_events and config.moe_dropless_fallback != "none"
   if step is not None and (every_step or can_fall_back):
     # Outside shard_map: the stats are replicated, so one callback per step and layer (two
     # when a rematerialised forward is recomputed), not one per device.
     emit_layer_event(stats, step=labels[0], layer=labels[1], shard=jax.process_index(),
-                     attempt=int(config.step_replay), every_step=every_step)
+                     attempt=stats.fallback if step_mode else 0, every_step=every_step)
   return y, stats

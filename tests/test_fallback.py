@@ -53,17 +53,17 @@ def test_layer_fallback_equals_dropless(ring, shards, experts, k, factor, seq, c
 
   if chunking == "adaptive":
     return  # the rest does not depend on the chunking
-  # force_dropless (worst-case buffer) and the step-mode replay graph are dropless too.
+  # force_dropless (worst-case buffer) and the step mode's layer are dropless too.
   y_force, stats_force, _ = run(_layer(config.replace(moe_dropless_fallback="none"), mesh,
                                        force_dropless=True))
   assert int(stats_force.dropped_rows) == 0 and int(stats_force.would_drop_rows) > 0
   assert_trees_close(y_force, y_ref, what="force_dropless y")
   if ring:
-    step_config = config.replace(moe_dropless_fallback="step").for_step_replay()
-    y_replay, stats_replay, grads_replay = run(_layer(step_config, mesh))
-    assert int(stats_replay.fallback) == 1 and int(stats_replay.dropped_rows) == 0
-    assert_trees_close(y_replay, y_ref, what="replay y")
-    assert_trees_close(grads_replay, grads_ref, what="replay grad")
+    step_config = config.replace(moe_dropless_fallback="step")
+    y_step, stats_step, grads_step = run(_layer(step_config, mesh))
+    assert int(stats_step.fallback) == 1 and int(stats_step.dropped_rows) == 0
+    assert_trees_close(y_step, y_ref, what="step-mode y")
+    assert_trees_close(grads_step, grads_ref, what="step-mode grad")
 
 
 @pytest.mark.parametrize("ring", [False, True], ids=["all_to_all", "ring"])
@@ -121,15 +121,6 @@ def test_infeasible_fallback_is_an_error_not_a_silent_drop():
   params, x = skewed_inputs(config, 8, 16, skew=1.0)
   with pytest.raises(ValueError, match=r"no dropless fallback fits"):
     jax.jit(_layer(config, mesh))(params, x)
-
-
-def test_replay_needs_step_mode_on_either_path():
-  with pytest.raises(ValueError, match=r"for_step_replay\(\) needs moe_dropless_fallback='step'"):
-    _config(8, 2, 0.5, moe_dropless_fallback="layer").for_step_replay()
-  for ring in (False, True):
-    assert _config(8, 2, 0.5, moe_dropless_fallback="step",
-                   use_ring_of_experts=ring).for_step_replay().step_replay
-  _config(8, 2, 0.5, moe_dropless_fallback="layer", use_ring_of_experts=True)
 
 
 def test_chunks_are_contiguous_token_blocks():

@@ -253,7 +253,7 @@ def test_config_moe_keys_are_the_layer_fields():
   c = tiny_config()
   fields = {f.name for f in dataclasses.fields(moe_hk.MoEConfig)}
   assert not fields & set(model.LAUNCHER_MOE_KEYS)
-  assert set(c.moe) == fields - {"emb_dim", "dtype", "step_replay"} | set(model.LAUNCHER_MOE_KEYS)
+  assert set(c.moe) == fields - {"emb_dim", "dtype"} | set(model.LAUNCHER_MOE_KEYS)
   c.moe.gmm_impl, c.moe.gmm_block_rows, c.moe.a2a_impl = "ragged_dot", 16, "emulated"
   built = model.moe_config(c)
   assert (built.gmm_impl, built.gmm_block_rows, built.a2a_impl) == ("ragged_dot", 16, "emulated")

@@ -1,5 +1,7 @@
-"""Step mode: one compiled step that replays itself on the chunked dropless path when a layer
-overflowed, with its state donated, on both paths."""
+"""Step mode: a step that overflows trains as the dropless model from its first overflowing MoE
+layer on, in one pass, with its state donated, on both paths."""
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -7,16 +9,33 @@ import pytest
 from jax.sharding import NamedSharding
 
 import moe_hk
-from moe_hk.step_replay import any_overflow, grads_with_replay
+from moe_hk.step_replay import any_overflow, overflowed
+from tests import reference
 from tests.moe_inputs import skewed_inputs
 from tests.tree_close import assert_trees_close, relative_error
 
+K = 2
 
-def _loss(config, mesh, cot, **kw):
-  """(params, x) -> (sum(y * cot) + lb_loss, MoEStats)."""
+
+def _two_layers(config, mesh, cot, **kw):
+  """(params pair, x) -> (sum(y * cot), stats pair): two MoE layers with a residual, the
+  second fed the step-mode flag of the first (in 'step' mode)."""
+  step_mode = config.moe_dropless_fallback == "step"
+  layer = functools.partial(moe_hk.moe_forward, config=config, mesh=mesh, **kw)
+
   def loss(params, x):
-    y, stats = moe_hk.moe_forward(params, x, config=config, mesh=mesh, **kw)
-    return jnp.sum(y * cot) + stats.lb_loss, stats
+    flag = jnp.zeros((), bool) if step_mode else None
+    h, first = layer(params[0], x, after_overflow=flag)
+    y, second = layer(params[1], x + h,
+                      after_overflow=overflowed(flag, first) if step_mode else None)
+    return jnp.sum(y * cot), (first, second)
+  return loss
+
+
+def _dense_loss(cot):
+  def loss(params, x):
+    h = reference.reference_moe(tuple(params[0]), x, k=K)
+    return jnp.sum(reference.reference_moe(tuple(params[1]), x + h, k=K) * cot), None
   return loss
 
 
@@ -24,42 +43,63 @@ def _sgd(params, gradients):
   return jax.tree.map(lambda p, g: p - 0.1 * g, params, gradients)
 
 
+# (skew of layer 0's router, of layer 1's): which layers overflow their capped buffers.
+CASES = {"first": (4.0, 0.0), "second": (0.0, 4.0), "neither": (0.0, 0.0)}
+
+
 @pytest.mark.parametrize("ring", [False, True], ids=["all_to_all", "ring"])
-@pytest.mark.parametrize("skew,overflows", [(4.0, True), (0.0, False)])
-def test_step_mode_replays_only_overflowing_steps(ring, skew, overflows):
+@pytest.mark.parametrize("case", list(CASES))
+def test_step_mode_is_dropless_from_the_first_overflow(ring, case):
   mesh = moe_hk.make_mesh(data=2, expert=4)
-  config = moe_hk.MoEConfig(num_experts=8, num_experts_per_tok=2, emb_dim=16, mlp_dim=32,
+  config = moe_hk.MoEConfig(num_experts=8, num_experts_per_tok=K, emb_dim=16, mlp_dim=32,
                             ragged_buffer_factor=2.0, use_ring_of_experts=ring,
                             moe_dropless_fallback="step", gmm_block_rows=8)
-  params, x = skewed_inputs(config, 16, 16, skew=skew, seed=2)
+  skews = CASES[case]
+  p0, x = skewed_inputs(config, 16, 16, skew=skews[0], seed=2)
+  p1, _ = skewed_inputs(config, 16, 16, skew=skews[1], seed=2)  # same hot direction as x
+  params = (p0, p1)
   cot = jax.random.normal(jax.random.key(0), x.shape)
-  capped = _loss(config, mesh, cot)
-  shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), moe_hk.param_specs(config, mesh))
+  specs = moe_hk.param_specs(config, mesh)
+  shardings = tuple(jax.tree.map(lambda s: NamedSharding(mesh, s), specs) for _ in range(2))
 
-  def step(params, x):  # the update applied once, outside the cond: in place on the donated params
-    gradients, stats, replayed = grads_with_replay(
-        capped, _loss(config.for_step_replay(), mesh, cot), params, x)
-    return _sgd(params, gradients), stats, replayed
+  def step(params, x):  # one pass; the update runs in place on the donated params
+    (_, stats), gradients = jax.value_and_grad(_two_layers(config, mesh, cot), has_aux=True)(
+        params, x)
+    return _sgd(params, gradients), stats, any_overflow(stats)
   step = jax.jit(step, in_shardings=(shardings, None), out_shardings=(shardings, None, None),
                  donate_argnums=(0,))
   grad = lambda loss: jax.jit(jax.grad(loss, has_aux=True))
 
-  capped_grads, capped_stats = grad(capped)(params, x)
+  reference_params = _sgd(params, grad(_dense_loss(cot))(params, x)[0])
+  capped_grads, capped_stats = grad(
+      _two_layers(config.replace(moe_dropless_fallback="none"), mesh, cot))(params, x)
   capped_params = _sgd(params, capped_grads)
-  dropless_params = _sgd(params, grad(_loss(config, mesh, cot, force_dropless=True))(params, x)[0])
   donated = jax.device_put(params, shardings)
   new_params, stats, replayed = step(donated, x)
   assert all(leaf.is_deleted() for leaf in jax.tree.leaves(donated))  # the state was donated
-  assert bool(replayed) == overflows == bool(any_overflow(capped_stats))
-  if overflows:
-    assert int(stats.fallback) == 1 and int(stats.dropped_rows) == 0
-    assert int(capped_stats.dropped_rows) > 0
-    assert relative_error(capped_params.wo, dropless_params.wo) > 1e-3  # control
-    assert_trees_close(new_params, dropless_params, what="replayed update")
-  else:
-    # The capped update, from another program than the separately jitted one (fusions differ).
-    assert_trees_close(new_params, capped_params, what="unreplayed update")
-    assert int(stats.fallback) == 0
+
+  drops = [int(s.would_drop_rows) for s in stats]
+  assert [d > 0 for d in drops] == {"first": [True, False], "second": [False, True],
+                                    "neither": [False, False]}[case], drops
+  assert bool(replayed) == (case != "neither")
+  # Dropless from the first overflowing layer on, whatever the later layers' own traffic.
+  assert [int(s.fallback) for s in stats] == {"first": [1, 1], "second": [0, 1],
+                                              "neither": [0, 0]}[case]
+  assert all(int(s.dropped_rows) == 0 for s in stats)
+  assert_trees_close(new_params, reference_params, what="step-mode update")
+  if case != "neither":  # control: the capped model drops rows and its update diverges
+    assert sum(int(s.dropped_rows) for s in capped_stats) > 0
+    assert max(relative_error(capped_params[i].wo, reference_params[i].wo) for i in (0, 1)) > 1e-3
+
+
+def test_after_overflow_needs_step_mode():
+  mesh = moe_hk.make_mesh(data=2, expert=4)
+  config = moe_hk.MoEConfig(num_experts=8, num_experts_per_tok=K, emb_dim=16, mlp_dim=32,
+                            ragged_buffer_factor=2.0, moe_dropless_fallback="layer")
+  params, x = skewed_inputs(config, 16, 16, skew=0.0)
+  with pytest.raises(ValueError, match=r"after_overflow is only for moe_dropless_fallback='step', "
+                                       r"not 'layer'"):
+    moe_hk.moe_forward(params, x, config=config, mesh=mesh, after_overflow=jnp.ones((), bool))
 
 
 def test_any_overflow_needs_stats():
