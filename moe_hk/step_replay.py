@@ -29,7 +29,7 @@ from moe_hk.stats import MoEStats
 def overflowed(after_overflow: jax.Array, stats: MoEStats) -> jax.Array:
   """The flag for the next MoE layer: this step overflowed in this layer or an earlier one
   (bool scalar; `stats` are the layer's global stats, the same on every device)."""
-  return jnp.logical_or(after_overflow, jnp.max(stats.would_drop_rows) > 0)
+  return jnp.logical_or(after_overflow, stats.would_drop_rows > 0)
 
 
 def any_overflow(tree: Any) -> jax.Array:
