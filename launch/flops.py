@@ -2,13 +2,15 @@
 
 XLA's `compiled.cost_analysis()` counts a while loop's body once, so for a model whose layers
 run in a scan it reports a fraction of the step. `matmul_flops` walks the jaxpr instead:
-every `dot_general` is 2 x (output elements) x (contracted size), every `ragged_dot` 2 x
-(output elements) x (contracted size) too (each row meets one group's matrix); a scan multiplies its body
+every `dot_general` is 2 x (output elements) x (contracted size), every `ragged_dot` (and its
+transposes) 2 x rows x K x N (each row meets one group's matrix); a scan multiplies its body
 by its length; a `shard_map` body (per-device shapes) by the mesh size; a cond or switch
 counts its first branch (for the MoE layer: the capped path, the step that did not
 overflow); remat, custom-VJP and nested calls count their bodies as they appear (a
-rematerialised forward appears twice under grad, so its recompute is counted). Pallas
-kernels (`pallas_call`, e.g. splash attention) are opaque: not counted.
+rematerialised forward appears twice under grad, so its recompute is counted). A Pallas
+kernel (`pallas_call`) counts the FLOPs its `cost_estimate` states (megablox's grouped
+matmuls: 2 x rows x K x N, as for ragged_dot); one without an estimate (splash attention) is
+opaque: not counted.
 """
 from __future__ import annotations
 
@@ -31,9 +33,14 @@ def _dot_flops(eqn) -> float:
 
 
 def _ragged_dot_flops(eqn) -> float:
-  """`lhs [M, K]` against `rhs [G, K, N]` (one group's matrix per row) -> `[M, N]`."""
-  lhs = eqn.invars[0].aval.shape
-  return 2.0 * math.prod(eqn.outvars[0].aval.shape) * lhs[-1]
+  """Each lhs element meets one group's slice of rhs: 2 x (lhs elements) x (rhs dims that are
+  neither contracted, batch nor group). `[M, K] x [G, K, N]`, its input gradient
+  `[M, N] x [G, K, N]` and its weight gradient `[M, K] x [M, N] -> [G, K, N]` are each 2MKN."""
+  numbers = eqn.params["ragged_dot_dimension_numbers"]
+  (_, rhs_contract), (_, rhs_batch) = numbers.dot_dimension_numbers
+  lhs, rhs = eqn.invars[0].aval.shape, eqn.invars[1].aval.shape
+  bound = set(rhs_contract) | set(rhs_batch) | set(numbers.rhs_group_dimensions)
+  return 2.0 * math.prod(lhs) * math.prod(n for d, n in enumerate(rhs) if d not in bound)
 
 
 def _jaxpr_flops(jaxpr: core.Jaxpr) -> float:
@@ -42,7 +49,7 @@ def _jaxpr_flops(jaxpr: core.Jaxpr) -> float:
     name = eqn.primitive.name
     if name == "dot_general":
       total += _dot_flops(eqn)
-    elif name in ("ragged_dot", "ragged_dot_general"):
+    elif name == "ragged_dot_general":
       total += _ragged_dot_flops(eqn)
     elif name == "scan":
       total += eqn.params["length"] * _jaxpr_flops(eqn.params["jaxpr"].jaxpr)
@@ -51,7 +58,8 @@ def _jaxpr_flops(jaxpr: core.Jaxpr) -> float:
     elif name == "cond":
       total += _jaxpr_flops(eqn.params["branches"][0].jaxpr)
     elif name == "pallas_call":
-      continue
+      estimate = eqn.params.get("cost_estimate")
+      total += estimate.flops if estimate is not None else 0.0
     else:
       total += sum(_jaxpr_flops(sub) for sub in _sub_jaxprs(eqn.params.values()))
   return total

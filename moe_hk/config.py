@@ -13,7 +13,7 @@ import jax.numpy as jnp
 FALLBACK_MODES = ("none", "layer", "step")
 FALLBACK_CHUNKINGS = ("fixed", "adaptive")
 A2A_IMPLS = ("auto", "native", "emulated")
-GMM_IMPLS = ("auto", "ragged_dot", "blocked")
+GMM_IMPLS = ("auto", "ragged_dot", "blocked", "megablox")
 ROUTER_SCORES = ("softmax", "sigmoid")
 DTYPES = ("float32", "bfloat16")
 
@@ -48,7 +48,9 @@ class MoEConfig:
   dropless_fallback_chunking: str = "adaptive"
   use_ring_of_experts: bool = False   # All-gather tokens instead of the ragged all-to-all.
   a2a_impl: str = "auto"              # 'native' (TPU/GPU), 'emulated' (CPU), 'auto' by platform.
-  gmm_impl: str = "auto"              # 'ragged_dot' (TPU), 'blocked' (CPU, GPU), or by platform.
+  # 'ragged_dot' (XLA's; TPU), 'megablox' (jax's Pallas TPU kernels; TPU, interpreted on
+  # CPU), 'blocked' (CPU, GPU), or 'auto' by platform (ragged_dot on TPU, else blocked).
+  gmm_impl: str = "auto"
   gmm_block_rows: int = 128           # Row block of the 'blocked' grouped matmul.
   router_score: str = "softmax"       # 'softmax' over the K selected logits, or 'sigmoid'.
   # Compute dtype of the expert matmuls (a name or a jnp dtype, stored as its name); params

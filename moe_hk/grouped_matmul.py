@@ -4,12 +4,13 @@ Shapes: M rows grouped by expert (group g holds `group_sizes[g]` consecutive row
 `sum(group_sizes)` are padding), G groups (local experts), D model width, F expert width,
 K / N contracted / output width of one grouped matmul, r rows of one tile, V tile levels.
 
-`ragged_dot` is the accelerator backend. On XLA:CPU `ragged_dot` is a masked dense product
-that pays G times the useful FLOPs, so the `blocked` backend loops over groups instead and cuts
-each group's rows, where they lie, into tiles of halving size (b, b/2, ... down to about b/8
-rows), multiplying each tile by its group's weights. Only a group's last tile can reach past
-it (a masked tail, less than b/8 rows wasted), so nothing is copied into a padded layout,
-padding rows past the groups cost nothing, and each group's weights are sliced once, not once
+`ragged_dot` (XLA's) and `megablox` (jax's Pallas TPU kernels, `moe_hk.megablox`) are the TPU
+backends. On XLA:CPU `ragged_dot` is a masked dense product that pays G times the useful
+FLOPs, so the `blocked` backend loops over groups instead and cuts each group's rows, where
+they lie, into tiles of halving size (b, b/2, ... down to about b/8 rows), multiplying each
+tile by its group's weights. Only a group's last tile can reach past it (a masked tail, less
+than b/8 rows wasted), so nothing is copied into a padded layout, padding rows past the
+groups cost nothing, and each group's weights are sliced once, not once
 per tile. Requires sum(group_sizes) <= M.
 """
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any, Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from moe_hk import megablox
 from moe_hk.vma import sum_to_axes_of, vary_like
 
 # The smallest tile is about block_rows / 8 rows: the masked tail of a group then wastes at
@@ -180,13 +182,18 @@ def ragged_dot_expert_mlp(x, wi_0, wi_1, wo, group_sizes) -> jax.Array:
 
 
 def expert_mlp(x: jax.Array, wi_0: jax.Array, wi_1: jax.Array, wo: jax.Array,
-               group_sizes: jax.Array, impl: str, block_rows: int = 128) -> jax.Array:
+               group_sizes: jax.Array, impl: str, block_rows: int = 128,
+               interpret: bool = False) -> jax.Array:
   """`silu(x @ wi_0[g]) * (x @ wi_1[g]) @ wo[g]` per row of group g.
 
-  x `[M, D]`, wi_0/wi_1 `[G, D, F]`, wo `[G, F, D]`, group_sizes `[G]` -> `[M, D]` in x's dtype.
+  x `[M, D]`, wi_0/wi_1 `[G, D, F]`, wo `[G, F, D]`, group_sizes `[G]` -> `[M, D]` in x's dtype,
+  0 past the groups. The gradient of x's rows past the groups is 0, except with 'megablox'
+  (undefined). `interpret` runs the 'megablox' kernels in Pallas's interpreter (CPU).
   """
   if impl == "ragged_dot":
     return ragged_dot_expert_mlp(x, wi_0, wi_1, wo, group_sizes)
   if impl == "blocked":
     return blocked_expert_mlp(x, wi_0, wi_1, wo, group_sizes, block_rows)
-  raise ValueError(f"gmm_impl={impl!r} must be 'ragged_dot' or 'blocked' here.")
+  if impl == "megablox":
+    return megablox.expert_mlp(x, wi_0, wi_1, wo, group_sizes, interpret)
+  raise ValueError(f"gmm_impl={impl!r} must be 'ragged_dot', 'blocked' or 'megablox' here.")

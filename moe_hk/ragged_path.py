@@ -32,7 +32,8 @@ class ExpertWeights(NamedTuple):
 class Backends(NamedTuple):
   """Concrete implementations, resolved from 'auto' for the mesh's platform."""
   a2a: str  # 'native' | 'emulated'
-  gmm: str  # 'ragged_dot' | 'blocked'
+  gmm: str  # 'ragged_dot' | 'blocked' | 'megablox'
+  interpret: bool = False  # Run 'megablox' in Pallas's interpreter (a CPU mesh).
 
 
 def combine_rows(rows: jax.Array, weights: jax.Array) -> jax.Array:
@@ -42,11 +43,22 @@ def combine_rows(rows: jax.Array, weights: jax.Array) -> jax.Array:
 
 
 def grouped_experts_mlp(rows: jax.Array, experts: ExpertWeights, group_sizes: jax.Array,
-                        config: MoEConfig, gmm_impl: str) -> jax.Array:
+                        config: MoEConfig, backends: Backends) -> jax.Array:
   """SwiGLU of rows `[R, D]` grouped by local expert (`group_sizes [L]`, then padding rows,
-  which come back 0) with `experts` in the compute dtype -> `[R, D]`."""
-  return expert_mlp(rows, experts.wi_0, experts.wi_1, experts.wo, group_sizes, gmm_impl,
-                    config.gmm_block_rows)
+  which come back 0; take them with `grouped_rows`: their gradient is undefined with
+  'megablox') with `experts` in the compute dtype -> `[R, D]`."""
+  return expert_mlp(rows, experts.wi_0, experts.wi_1, experts.wo, group_sizes, backends.gmm,
+                    config.gmm_block_rows, backends.interpret)
+
+
+def grouped_rows(source: jax.Array, index: jax.Array, group_sizes: jax.Array) -> jax.Array:
+  """`source [S, D]` rows at `index [R]` (rows grouped by local expert, `group_sizes [L]`)
+  -> `[R, D]`, with the rows past `sum(group_sizes)` 0 and cut off from the gradient: they
+  take an out-of-range index, whose transposed scatter drops them. So the grouped matmul
+  may leave the gradient of its padding rows undefined (megablox does)."""
+  in_groups = jnp.arange(index.shape[0]) < jnp.sum(group_sizes)
+  return jnp.take(source, jnp.where(in_groups, index, source.shape[0]), axis=0, mode="fill",
+                  fill_value=0)
 
 
 def gather_counts(expert_ids: jax.Array, config: MoEConfig) -> jax.Array:
@@ -69,8 +81,9 @@ def ragged_moe(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, experts:
   buffer = ragged_all_to_all(sorted_rows, jnp.zeros((rows, x.shape[-1]), sorted_rows.dtype),
                              plan.dispatch, axis, backends.a2a)   # [R, D]
   by_expert = jnp.argsort(plan.buffer_expert, stable=True)       # [R], empty rows last
-  out = grouped_experts_mlp(buffer[by_expert], experts, plan.local_group_sizes, config,
-                            backends.gmm)[jnp.argsort(by_expert)]  # [R, D], buffer order
+  grouped = grouped_rows(buffer, by_expert, plan.local_group_sizes)
+  out = grouped_experts_mlp(grouped, experts, plan.local_group_sizes, config,
+                            backends)[jnp.argsort(by_expert)]  # [R, D], buffer order
   returned = ragged_all_to_all(out, jnp.zeros_like(sorted_rows), plan.combine, axis,
                                backends.a2a)                     # [N, D]
   return combine_rows(returned[jnp.argsort(order)], weights)

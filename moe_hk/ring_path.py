@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from moe_hk.config import MoEConfig
-from moe_hk.ragged_path import Backends, ExpertWeights, grouped_experts_mlp
+from moe_hk.ragged_path import Backends, ExpertWeights, grouped_experts_mlp, grouped_rows
 
 
 def ring_moe(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, experts: ExpertWeights,
@@ -36,8 +36,8 @@ def ring_moe(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, experts: E
   counts = jnp.zeros((local + 1,), jnp.int32).at[label].add(1)[:local]
   before = jnp.cumsum(counts) - counts
   group_sizes = jnp.clip(rows - before, 0, counts)               # [L] kept prefix per expert
-  out = grouped_experts_mlp(gathered_x[picked // k], experts, group_sizes, config,
-                            backends.gmm)                        # [R, D], 0 past the kept rows
+  out = grouped_experts_mlp(grouped_rows(gathered_x, picked // k, group_sizes), experts,
+                            group_sizes, config, backends)       # [R, D], 0 past the kept rows
   weighted = out.astype(jnp.float32) * gathered_w[picked][:, None]
   tokens_out = jnp.zeros((gathered_x.shape[0], x.shape[-1]), jnp.float32)
   tokens_out = tokens_out.at[picked // k].add(weighted)          # [G, D]

@@ -53,7 +53,12 @@ def resolve_backends(config: MoEConfig, mesh: Mesh) -> Backends:
   # blocked loop 1.6-1.9x (benchmarks/gpu_native.py), so only TPU gets ragged_dot.
   gmm = config.gmm_impl if config.gmm_impl != "auto" else (
       "ragged_dot" if platform == "tpu" else "blocked")
-  return Backends(a2a, gmm)
+  if gmm == "megablox" and platform not in ("tpu", "cpu"):
+    raise ValueError(
+        f"MoEConfig.gmm_impl='megablox' is a Mosaic TPU kernel: it runs on a TPU mesh (and "
+        f"interpreted on a CPU mesh, for tests), not on a {platform} mesh; use 'blocked', "
+        "'ragged_dot' or 'auto'.")
+  return Backends(a2a, gmm, interpret=gmm == "megablox" and platform == "cpu")
 
 
 def _gather_fsdp(experts: ExpertWeights, mesh: Mesh, config: MoEConfig) -> ExpertWeights:
@@ -164,8 +169,10 @@ def moe_forward(params: MoEParams, x: jax.Array, *, config: MoEConfig, mesh: Mes
     return y, reduce_stats(local, mesh, config)
 
   specs = param_specs(config, mesh)
+  # The megablox kernels' pallas_calls declare no varying axes for their outputs, which
+  # shard_map's vma check rejects (as with splash attention in launch/attention.py).
   fn = jax.shard_map(shard_fn, mesh=mesh, in_specs=(batch, P(), *specs),
-                     out_specs=(batch, stats_specs))
+                     out_specs=(batch, stats_specs), check_vma=backends.gmm != "megablox")
   y, stats = fn(x, after, *params)
   every_step = config.log_required_ragged_buffer_factor
   can_fall_back = config.emit_fallback_events and config.moe_dropless_fallback != "none"

@@ -27,13 +27,23 @@ def _layer(config, mesh, **kw):
   return functools.partial(moe_hk.moe_forward, config=config, mesh=mesh, **kw)
 
 
-@pytest.mark.parametrize("chunking", ["fixed", "adaptive"])
-@pytest.mark.parametrize("ring", [False, True], ids=["all_to_all", "ring"])
-@pytest.mark.parametrize("shards,experts,k,factor,seq", OVERFLOW)
-def test_layer_fallback_equals_dropless(ring, shards, experts, k, factor, seq, chunking):
+# (case, path, chunking, grouped matmul): every case, both chunkings on both paths, with the
+# CPU backend; the megablox kernels (interpreted, slow) on two cases, adaptive on the
+# all-to-all and fixed (with step mode) on the ring.
+_VARIANTS = [(False, "fixed"), (False, "adaptive"), (True, "fixed"), (True, "adaptive")]
+FALLBACK_CASES = [
+    pytest.param(*case, ring, chunking, gmm, id="-".join(
+        [*map(str, case), "ring" if ring else "all_to_all", chunking, gmm]))
+    for case, ring, chunking, gmm in
+    [(case, ring, chunking, "blocked") for case in OVERFLOW for ring, chunking in _VARIANTS]
+    + [(OVERFLOW[0], False, "adaptive", "megablox"), (OVERFLOW[3], True, "fixed", "megablox")]]
+
+
+@pytest.mark.parametrize("shards,experts,k,factor,seq,ring,chunking,gmm", FALLBACK_CASES)
+def test_layer_fallback_equals_dropless(ring, shards, experts, k, factor, seq, chunking, gmm):
   mesh = moe_hk.make_mesh(data=NUM_DEVICES // shards, expert=shards)
   config = _config(experts, k, factor, use_ring_of_experts=ring, moe_dropless_fallback="layer",
-                   dropless_fallback_chunking=chunking)
+                   dropless_fallback_chunking=chunking, gmm_impl=gmm)
   params, x = skewed_inputs(config, BATCH, seq, skew=1.5, seed=shards + k)
   cot = jax.random.normal(jax.random.key(3), x.shape)
   run = lambda fn: jax.jit(functools.partial(outputs_and_grads, fn))(params, x, cot)

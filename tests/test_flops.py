@@ -5,6 +5,7 @@ from jax.sharding import PartitionSpec as P
 
 import moe_hk
 from launch import flops
+from moe_hk import megablox
 
 
 def _spec(*shape):
@@ -44,3 +45,18 @@ def test_ragged_dot_counts_each_row_against_one_group():
   x, w = _spec(64, 16), _spec(4, 16, 32)
   sizes = jax.ShapeDtypeStruct((4,), jnp.int32)
   assert flops.matmul_flops(jax.lax.ragged_dot, x, w, sizes) == 2 * 64 * 16 * 32
+  # Its input gradient ([M, N] x [G, K, N]) and weight gradient ([M, K] x [M, N] -> [G, K, N]).
+  grad = jax.grad(lambda x, w, s: jnp.sum(jax.lax.ragged_dot(x, w, s)), argnums=(0, 1))
+  assert flops.matmul_flops(grad, x, w, sizes) == 3 * 2 * 64 * 16 * 32
+
+
+def test_megablox_kernels_count_their_cost_estimate():
+  """The Pallas grouped matmuls state 2 x rows x K x N: the SwiGLU's three in the forward, and
+  under grad three input-gradient and three weight-gradient kernels more."""
+  x, wi, wo = _spec(64, 16), _spec(4, 16, 32), _spec(4, 32, 16)
+  sizes = jax.ShapeDtypeStruct((4,), jnp.int32)
+  mlp = lambda x, wi_0, wi_1, wo, sizes: megablox.expert_mlp(x, wi_0, wi_1, wo, sizes, True)
+  one = 2 * 64 * 16 * 32
+  assert flops.matmul_flops(mlp, x, wi, wi, wo, sizes) == 3 * one
+  grad = jax.grad(lambda *a: jnp.sum(mlp(*a)), argnums=(0, 1, 2, 3))
+  assert flops.matmul_flops(grad, x, wi, wi, wo, sizes) == 9 * one

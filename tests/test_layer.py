@@ -111,6 +111,31 @@ def test_ragged_dot_backend_matches_dense_reference():
   assert dropped > 0
 
 
+@pytest.mark.parametrize("ring", [False, True], ids=["all_to_all", "ring"])
+def test_megablox_backend_matches_dense_reference(ring):
+  """gmm_impl='megablox' (jax's Pallas TPU kernels, interpreted on the CPU mesh; the layer's
+  shard_map runs without its vma check for them) with a capped buffer that drops rows:
+  outputs and every gradient, the router's included."""
+  mesh, config, params, x = _setup(4, 2, 2, 0.5, gmm_impl="megablox", use_ring_of_experts=ring)
+  jaxpr = str(jax.make_jaxpr(functools.partial(moe_hk.moe_forward, config=config,
+                                               mesh=mesh))(params, x))
+  assert "pallas_call" in jaxpr
+  dropped, _ = _assert_layer_matches_reference(4, 2, 2, 0.5, gmm_impl="megablox",
+                                               use_ring_of_experts=ring)
+  assert dropped > 0
+
+
+def test_megablox_is_refused_on_a_gpu_mesh():
+  config = moe_hk.MoEConfig(num_experts=8, num_experts_per_tok=2, emb_dim=WIDTH,
+                            mlp_dim=HIDDEN, gmm_impl="megablox")
+  mesh = moe_hk.make_mesh(data=4, expert=2)
+  gpu = type("GpuDevice", (), {"platform": "gpu"})()
+  fake = type("Mesh", (), {"devices": np.array([gpu])})()
+  with pytest.raises(ValueError, match=r"gmm_impl='megablox' .*TPU .*not on a gpu mesh"):
+    moe_hk.sharded.resolve_backends(config, fake)
+  assert moe_hk.sharded.resolve_backends(config, mesh).interpret  # CPU: the interpreter
+
+
 def test_capped_differs_from_dropless_when_rows_drop():
   """Control: the drop really changes the output, so the equalities above are not vacuous."""
   mesh, config, params, x = _setup(4, 2, 2, 0.5)

@@ -1,4 +1,5 @@
-"""The native path (jax.lax.ragged_all_to_all + ragged_dot) compiles for a TPU topology.
+"""The native path (jax.lax.ragged_all_to_all with ragged_dot or the megablox kernels)
+compiles for a TPU topology.
 
 This machine has no TPU; the matching libtpu wheel (installed by `make test`) lets XLA compile
 for a v5p topology ahead of time.
@@ -35,7 +36,7 @@ def test_native_path_compiles_for_v5p(factor):
   mesh = moe_hk.make_mesh(expert=4, devices=aot.tpu_topology_devices("v5p:2x2x1"))
   config = moe_hk.MoEConfig(num_experts=8, num_experts_per_tok=2, emb_dim=128, mlp_dim=256,
                             ragged_buffer_factor=factor)
-  assert moe_hk.sharded.resolve_backends(config, mesh) == ("native", "ragged_dot")
+  assert moe_hk.sharded.resolve_backends(config, mesh) == ("native", "ragged_dot", False)
   compiled = _compile_value_and_grad(config, mesh)
   hlo = compiled.as_text()
   # Dispatch and combine forward, and their transposes in the backward.
@@ -51,3 +52,17 @@ def test_capped_buffer_needs_less_tpu_memory_than_worst_case():
   capped = aot.total_memory_bytes(
       _compile_value_and_grad(config.replace(ragged_buffer_factor=1.0), mesh, seq=512))
   assert capped < worst, (capped, worst)
+
+
+@pytest.mark.parametrize("fallback", ["none", "layer"])
+def test_megablox_kernels_compile_for_v5p(fallback):
+  """gmm_impl='megablox' lowers to Mosaic custom calls (compiled, not interpreted), with no
+  ragged_dot left, on the capped path and inside the chunked fallback, in bfloat16."""
+  mesh = moe_hk.make_mesh(expert=4, devices=aot.tpu_topology_devices("v5p:2x2x1"))
+  config = moe_hk.MoEConfig(num_experts=8, num_experts_per_tok=2, emb_dim=128, mlp_dim=256,
+                            ragged_buffer_factor=1.0, gmm_impl="megablox", dtype="bfloat16",
+                            moe_dropless_fallback=fallback)
+  assert moe_hk.sharded.resolve_backends(config, mesh) == ("native", "megablox", False)
+  hlo = _compile_value_and_grad(config, mesh).as_text()
+  assert "tpu_custom_call" in hlo
+  assert "ragged_dot" not in hlo

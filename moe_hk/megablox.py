@@ -1,0 +1,103 @@
+"""The `megablox` grouped-matmul backend: jax's Pallas TPU grouped matmul kernels.
+
+Shapes: M rows grouped by expert (group g holds `group_sizes[g]` consecutive rows, rows past
+`sum(group_sizes)` are padding), G groups, K / N contracted / output width of one matmul.
+
+`jax.experimental.pallas.ops.tpu.megablox` holds a grouped matmul (`gmm`: `[M, K] x [G, K, N]`,
+or `[G, N, K]` read transposed) and its weight-gradient form (`tgmm`). They are Mosaic TPU
+kernels: on TPU they compile, on CPU they run in Pallas's interpreter (for tests), and they
+cannot run on GPU. Unlike XLA's `ragged_dot`, whose backward reads the weights transposed
+through a layout copy of the whole `[G, K, N]` stack, `gmm(transpose_rhs=True)` reads them in
+place, so the chunked fallback's backward holds no copy of the local experts' weights.
+
+The kernels leave rows past the groups unwritten (whatever the buffer held). `expert_mlp`
+zeroes them in its output; their gradient stays undefined, and the layer's paths cut those
+rows off from the gradient where they gather them (`ragged_path.grouped_rows`): masking the
+input gradient here measured 1.25 GiB more per chip in the Maverick fallback step. The
+kernels also need M to be a multiple of their row tile; `expert_mlp` pads the rows up to
+one once, for all three matmuls.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas.ops.tpu.megablox.ops import backend as kernels
+
+TILE = 128          # Row and width tile (the kernels' default).
+_SUBLANES = 16      # Smallest row tile: the sublane packing of bfloat16 on TPU.
+
+
+def row_tile(num_rows: int) -> int:
+  """The kernels' row tile for `num_rows` rows: TILE, or fewer rows rounded up to _SUBLANES."""
+  return min(TILE, -(-num_rows // _SUBLANES) * _SUBLANES)
+
+
+def _tiling(rows: int, contracted: int, out: int) -> tuple[int, int, int]:
+  return row_tile(rows), min(TILE, contracted), min(TILE, out)
+
+
+def _precision(lhs: jax.Array, rhs: jax.Array):
+  """The matmul precision to trace a kernel under. Mosaic rejects fp32 contract precision
+  (what `jax_default_matmul_precision='highest'` asks for) on bfloat16 operands, whose
+  products are exact in the kernels' float32 accumulator anyway, so those take the default."""
+  both_bf16 = lhs.dtype == rhs.dtype == jnp.bfloat16
+  return jax.default_matmul_precision("default") if both_bf16 else contextlib.nullcontext()
+
+
+def _in_groups(y: jax.Array, group_sizes: jax.Array) -> jax.Array:
+  """`y [M, C]` with the rows past the groups set to 0 (a select: garbage there may be NaN)."""
+  return jnp.where((jnp.arange(y.shape[0]) < jnp.sum(group_sizes))[:, None], y, 0)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, interpret: bool
+                   ) -> jax.Array:
+  """`x [M, K]` grouped rows times `w [G, K, N]` -> `[M, N]` in x's dtype; rows past the
+  groups are left unwritten (undefined), in the output and in the input gradient.
+
+  M must be a multiple of `row_tile(M)`; group_sizes `[G]` int32.
+  """
+  (m, k), n = x.shape, w.shape[2]
+  with _precision(x, w):
+    return kernels.gmm(x, w, group_sizes, x.dtype, _tiling(m, k, n), interpret=interpret)
+
+
+def _grouped_matmul_fwd(x, w, group_sizes, interpret):
+  return grouped_matmul(x, w, group_sizes, interpret), (x, w, group_sizes)
+
+
+def _grouped_matmul_bwd(interpret, res, dy):
+  # jax's own VJP of `gmm` (megablox.ops) does the same, but traces its kernels outside the
+  # precision context above.
+  x, w, group_sizes = res
+  (m, k), n = x.shape, w.shape[2]
+  with _precision(dy, w):
+    dx = kernels.gmm(dy, w, group_sizes, x.dtype, _tiling(m, n, k), transpose_rhs=True,
+                     interpret=interpret)                                 # [M, K]
+  with _precision(x, dy):  # tgmm selects each group's rows: padding rows never enter dw
+    dw = kernels.tgmm(x.swapaxes(0, 1), dy, group_sizes, w.dtype, _tiling(m, k, n),
+                      num_actual_groups=w.shape[0], interpret=interpret)  # [G, K, N]
+  return dx, dw, None
+
+
+grouped_matmul.defvjp(_grouped_matmul_fwd, _grouped_matmul_bwd)
+
+
+def expert_mlp(x: jax.Array, wi_0: jax.Array, wi_1: jax.Array, wo: jax.Array,
+               group_sizes: jax.Array, interpret: bool) -> jax.Array:
+  """SwiGLU experts on grouped rows `x [M, D]` -> `[M, D]` in x's dtype (padding rows 0);
+  weights `[G, D, F]`, `[G, D, F]`, `[G, F, D]` in x's dtype. The gradient of x's padding
+  rows is undefined (it may be NaN); inside, the padding rows stay undefined too (each row's
+  result depends on that row alone), so no `[M, F]` intermediate is masked.
+  """
+  group_sizes = group_sizes.astype(jnp.int32)
+  rows = x.shape[0]
+  pad = -rows % row_tile(rows)
+  if pad:
+    x = jnp.pad(x, ((0, pad), (0, 0)))
+  mm = lambda rows_in, w: grouped_matmul(rows_in, w, group_sizes, interpret)
+  h = jax.nn.silu(mm(x, wi_0)) * mm(x, wi_1)  # [M, F]
+  return _in_groups(mm(h.astype(x.dtype), wo), group_sizes)[:rows]
