@@ -10,8 +10,8 @@ FLOPs, so the `blocked` backend loops over groups instead and cuts each group's 
 they lie, into tiles of halving size (b, b/2, ... down to about b/8 rows), multiplying each
 tile by its group's weights. Only a group's last tile can reach past it (a masked tail, less
 than b/8 rows wasted), so nothing is copied into a padded layout, padding rows past the
-groups cost nothing, and each group's weights are sliced once, not once
-per tile. Requires sum(group_sizes) <= M.
+groups cost nothing, and each group's weights are sliced once, not once per tile. Requires
+sum(group_sizes) <= M.
 """
 from __future__ import annotations
 
