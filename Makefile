@@ -1,12 +1,16 @@
-# `make train` and `make test` create .venv from constraints.txt on first use.
+# `make train` and `make test` create the venv from constraints.txt on first use.
 # PYTHON selects the interpreter (python3 here is 3.11; `PYENV_VERSION=3.12.1 make test` uses 3.12):
-# the venv is rebuilt when the interpreter's version changes.
+# the venv is rebuilt when the interpreter's version changes; VENV names another folder
+# (`.ci/run` keeps one per Python).
 PYTHON ?= python3
 VENV ?= .venv
 PYVER := $(shell $(PYTHON) -c 'import sys; print("%d.%d" % sys.version_info[:2])')
 STAMP := $(VENV)/.installed-$(PYVER)
+# Two pytest workers: XLA:CPU compiles on one thread, so two use both cores of a small machine.
+# Tests that share a module-level cache or fixture run on one worker (tests/conftest.py).
+PYTEST := $(VENV)/bin/python -m pytest -n 2 --dist loadgroup -rs --durations=20
 
-.PHONY: install test train demo clean
+.PHONY: install test test-fast train demo clean
 
 install: $(STAMP)
 
@@ -17,8 +21,13 @@ $(STAMP): pyproject.toml constraints.txt
 	$(VENV)/bin/python -m pip install -q -c constraints.txt -e '.[tpu,test]'
 	touch $@
 
+# Everything, the slow end-to-end cases included: what CI runs.
 test: $(STAMP)
-	$(VENV)/bin/python -m pytest -q --durations=20 tests
+	$(PYTEST) tests
+
+# The edit-test loop: every test not marked slow.
+test-fast: $(STAMP)
+	$(PYTEST) -m "not slow" tests
 
 # The main job: trains the default MoE transformer on 8 simulated CPU devices (resumes if
 # workdir/default holds a run).

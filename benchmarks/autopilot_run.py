@@ -19,17 +19,12 @@ import argparse
 import json
 import os
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                           " --xla_force_host_platform_device_count=8").strip()
+import numpy as np
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.util import tensor_util
 
-import numpy as np  # noqa: E402
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
-from tensorboard.util import tensor_util  # noqa: E402
-
-from launch import trainer  # noqa: E402
-from launch.configs import default  # noqa: E402
+from launch import platform, trainer
+from launch.configs import default
 
 RUNS = {"auto3": (3.0, True), "fixed3": (3.0, False), "fixed2": (2.0, False)}
 WARMUP = 20
@@ -74,6 +69,7 @@ def run(name: str, workdir: str, steps: int) -> dict:
 
 
 def main():
+  platform.setup(cpu_only=True)
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--workdir", default="workdir/autopilot_run")
   parser.add_argument("--steps", type=int, default=200)

@@ -14,13 +14,13 @@ import argparse
 import functools
 import json
 
-from benchmarks import fallback_memory, timing  # fallback_memory sets up 8 CPU devices
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-
-import moe_hk  # noqa: E402
+import moe_hk
+from benchmarks import fallback_memory, timing
+from launch import platform
 
 TIMING_WIDTH = dict(emb_dim=64, mlp_dim=128)
 
@@ -47,6 +47,7 @@ def step_fn(config, mesh, remat: bool):
 
 
 def main():
+  platform.setup(cpu_only=True)
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--rounds", type=int, default=15)
   args = parser.parse_args()

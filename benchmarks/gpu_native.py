@@ -1,6 +1,6 @@
 """The accelerator backends on one real GPU: native ragged all-to-all, `ragged_dot`, blocked.
 
-  JAX_PLATFORMS=cuda python -m benchmarks.gpu_native [--rounds=20]
+  python -m benchmarks.gpu_native [--rounds=20]   # on a GPU, with jax's CUDA plugin installed
 
 A single device cannot exchange rows with peers, but the layer's native path still runs end to
 end (a one-shard `ragged_all_to_all`, `ragged_dot` grouped matmuls), so this checks on a real
@@ -17,17 +17,16 @@ import argparse
 import functools
 import itertools
 import json
-import os
+import sys
 
-os.environ.setdefault("JAX_PLATFORMS", "cuda")
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-
-import moe_hk  # noqa: E402
-from benchmarks import timing  # noqa: E402
-from moe_hk import grouped_matmul  # noqa: E402
+import moe_hk
+from benchmarks import timing
+from launch import platform
+from moe_hk import grouped_matmul
 
 
 def skewed_layer(num_experts: int, k: int, width: int, hidden: int, batch: int, seq: int,
@@ -162,6 +161,9 @@ def time_fallback_step(rounds: int) -> dict:
 
 
 def main():
+  platform.setup()
+  if jax.default_backend() != "gpu":
+    sys.exit(f"benchmarks.gpu_native needs a GPU; jax runs on {platform.describe()}.")
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--rounds", type=int, default=20)
   parser.add_argument("--sections", default="layer,gmm,fallback",

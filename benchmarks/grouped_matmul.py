@@ -12,13 +12,13 @@ import argparse
 import functools
 import json
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+
 from benchmarks import timing
-
-import jax  # noqa: E402  (timing sets the platform first)
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-
-from moe_hk import grouped_matmul  # noqa: E402
+from launch import platform
+from moe_hk import grouped_matmul
 
 BLOCK_ROWS = (128, 256, 512)
 
@@ -52,6 +52,7 @@ def variants(lhs, rhs, cot, sizes: dict[str, jax.Array], backward: bool) -> dict
 
 
 def main():
+  platform.setup(cpu_devices=1, cpu_only=True)
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--rows", type=int, default=4096)
   parser.add_argument("--k", type=int, default=512)

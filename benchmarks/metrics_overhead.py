@@ -23,13 +23,13 @@ import functools
 import json
 import tempfile
 
+import jax
+import jax.numpy as jnp
+
+import metrics
+import moe_hk
 from benchmarks import fallback_memory, fallback_overhead, timing
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-
-import metrics  # noqa: E402
-import moe_hk  # noqa: E402
+from launch import platform
 
 
 def make_step(config, mesh, layers: int):
@@ -47,6 +47,7 @@ def make_step(config, mesh, layers: int):
 
 
 def main():
+  platform.setup(cpu_only=True)
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--rounds", type=int, default=15)
   parser.add_argument("--layers", type=int, default=4)

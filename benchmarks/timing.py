@@ -1,15 +1,11 @@
 """Interleaved timing: every variant once per round, so machine noise hits all of them alike."""
 from __future__ import annotations
 
-import os
 import time
 from typing import Callable
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
-
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import numpy as np
 
 
 def interleaved(fns: dict[str, Callable[[], object]], rounds: int, warmup: int = 1

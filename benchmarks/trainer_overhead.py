@@ -15,19 +15,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import tempfile
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                           " --xla_force_host_platform_device_count=8").strip()
+import numpy as np
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-import numpy as np  # noqa: E402
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
-
-from launch import trainer  # noqa: E402
-from launch.configs import default  # noqa: E402
+from launch import platform, trainer
+from launch.configs import default
 
 
 def loss_wall_times(workdir: str) -> dict[int, float]:
@@ -51,6 +45,7 @@ def steps_per_second(moe_metrics: bool, warmup: int, steps: int) -> float:
 
 
 def main():
+  platform.setup(cpu_only=True)
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--rounds", type=int, default=5)
   parser.add_argument("--warmup_steps", type=int, default=20)

@@ -4,7 +4,8 @@
       [--variants=worst_case,capped,fallback_scan,step,...] [--config.KEY=VALUE ...]
 
 The topology is a TPU slice (`v5p-256`, i.e. 128 chips, or `v5p:4x4x8`), compiled through
-libtpu with no TPU attached, or `cpu:N` (N simulated CPU devices). Every variant compiles the
+libtpu with no TPU attached, or `cpu:N` (N simulated CPU devices); jax stays on the CPU either
+way (launch.platform), so it never takes the chips of a TPU VM. Every variant compiles the
 same step as `launch.train` (value-and-grad, AdamW, donated state), differing only in the MoE
 layers: the worst-case buffer, the capped buffer (rows may drop), capped + `layer` fallback
 (scan of checkpointed chunks; also `fallback_adaptive`), `step` mode (dropless from the step's
@@ -13,35 +14,25 @@ loop (the naive form, `moe_hk.fallback.unrolled_chunks`). Prints JSON, then a ta
 of per-device memory (arguments + outputs + temporaries - aliased) from
 `compiled.memory_analysis()`, and the step's matmul FLOPs (all devices, loops at their trip
 counts: `launch.flops`; XLA's `cost_analysis()` counts a loop body once, so it is in the JSON
-only) beside 6 x active parameters x tokens. A variant whose temporaries exceed the chip's HBM does not compile
-for TPU; its row then shows the compiler's stated temporaries plus the argument shards.
+only) beside 6 x active parameters x tokens. A variant whose temporaries exceed the chip's HBM
+does not compile for TPU; its row then shows the compiler's stated temporaries plus the
+argument shards.
 """
-import os
+import json
+import math
 import re
-import sys
+import time
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
-os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # compiling only: no chip to lock
-_CPU = re.search(r"--compile_topology=cpu:(\d+)", " ".join(sys.argv))
-if _CPU:  # must precede the jax import
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                             f" --xla_force_host_platform_device_count={_CPU.group(1)}").strip()
+import jax
+import jax.numpy as jnp
+import ml_collections
+from absl import flags
 
-import json  # noqa: E402
-import math  # noqa: E402
-import time  # noqa: E402
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import ml_collections  # noqa: E402
-from absl import app, flags  # noqa: E402
-from ml_collections import config_flags  # noqa: E402
-
-import moe_hk  # noqa: E402
-from launch import flops as flops_lib, overrides, trainer  # noqa: E402
-from launch.steps import make_steps  # noqa: E402
-from moe_hk import aot, fallback  # noqa: E402
+import moe_hk
+from launch import cli, flops as flops_lib, platform, trainer
+from launch.errors import UserError
+from launch.steps import make_steps
+from moe_hk import aot, fallback
 
 VARIANTS = ("worst_case", "capped", "fallback_scan", "fallback_adaptive", "step",
             "fallback_unrolled")
@@ -52,19 +43,29 @@ GIB = 1024 ** 3
 # HBM per chip as the TPU compiler states it when a program does not fit ("available HBM").
 HBM_GIB = {"v5p": 95.74}
 
-_CONFIG = config_flags.DEFINE_config_file("config", "launch/configs/maverick.py",
-                                          "Model configuration file.")
+_CONFIG = cli.define_config("config", "maverick.py", "Model configuration file.")
 _TOPOLOGY = flags.DEFINE_string("compile_topology", "v5p-256", "'v5p-N', 'v5p:AxBxC' or 'cpu:N'.")
 _VARIANTS = flags.DEFINE_list("variants", ",".join(VARIANTS), f"Any of {', '.join(VARIANTS)}.")
+
+
+def cpu_device_count(topology: str) -> int:
+  """The CPU devices jax needs for `topology`: N of 'cpu:N'; 1 for a TPU slice, which compiles
+  through libtpu (the CPU only traces). ValueError for a 'cpu:' without a count."""
+  if not topology.startswith("cpu:"):
+    return 1
+  if not re.fullmatch(r"[1-9]\d*", topology[4:]):
+    raise ValueError(f"--compile_topology={topology} must be 'cpu:N' with N >= 1 (or 'v5p-N', "
+                     "'v5p:AxBxC').")
+  return int(topology[4:])
 
 
 def topology_devices(topology: str) -> list:
   """Devices of `topology` ('v5p-256', 'v5p:4x4x8', 'cpu:8'); ValueError names the valid forms."""
   if topology.startswith("cpu:"):
-    want = int(topology[4:])
+    want = cpu_device_count(topology)
     if jax.device_count() < want:
-      raise ValueError(f"--compile_topology={topology}: only {jax.device_count()} CPU devices; "
-                       "pass the flag on the command line so the count is set before jax loads.")
+      raise ValueError(f"--compile_topology={topology}: only {jax.device_count()} CPU devices "
+                       f"(the backend started before it could be given {want}).")
     return jax.devices()[:want]
   match = re.fullmatch(r"v5p-(\d+)", topology)
   if match:
@@ -163,17 +164,16 @@ def per_device_bytes(a: jax.ShapeDtypeStruct) -> int:
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  del argv  # launch.cli refuses arguments that are not flags
   unknown = sorted(set(_VARIANTS.value) - set(VARIANTS))
   if unknown:
-    raise app.UsageError(f"--variants: unknown {unknown}; valid: {', '.join(VARIANTS)}.")
+    raise UserError(f"--variants={','.join(_VARIANTS.value)}: unknown {', '.join(unknown)}; "
+                    f"valid: {', '.join(VARIANTS)}.")
   config = _CONFIG.value
-  try:
+  with cli.user_errors():
+    platform.setup(cpu_device_count(_TOPOLOGY.value), cpu_only=True)
     devices = topology_devices(_TOPOLOGY.value)
     trainer.validate(config, devices=len(devices))
-  except ValueError as e:
-    raise app.UsageError(str(e)) from None
   rows = [compile_variant(config, devices, v) for v in _VARIANTS.value]
   model = model_flops(config)
   print(json.dumps({"topology": _TOPOLOGY.value, "devices": len(devices),
@@ -203,4 +203,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main, flags_parser=overrides.flags_parser("config", "launch/configs/maverick.py"))
+  cli.run(main)

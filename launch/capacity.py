@@ -17,33 +17,30 @@ R rows per receiving shard is replayed on every recorded step and MoE layer (WOR
 
 `--expert_shards` regroups the same devices (same tokens per device) into expert groups of that
 size. Prints a markdown table, or a JSON list with --format=json; writes WORKDIR/capacity.png.
+Traffic files it cannot use are skipped, a warning each; the table's first line counts them.
 """
+import json
+import math
 import os
 import sys
+import textwrap
+from typing import Sequence
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+import jax
+import ml_collections
+import numpy as np
+from absl import app, flags
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+from launch import cli, platform
+from metrics.traffic import Traffic, read_traffic
+from moe_hk import dispatch_plan
+
 # launch.aot loads the trainer (CLU and TensorFlow: many seconds), so it loads only when a compile
-# is asked for. It defines --compile_topology and sets the device count of `cpu:N`, so before jax.
+# is asked for; it defines --compile_topology, so before the flags are parsed.
 if any(arg.startswith(("--aot_config", "--compile_topology")) for arg in sys.argv[1:]):
   from launch import aot  # noqa: F401
-
-import json  # noqa: E402
-import math  # noqa: E402
-import textwrap  # noqa: E402
-from typing import Sequence  # noqa: E402
-
-import jax  # noqa: E402
-import ml_collections  # noqa: E402
-import numpy as np  # noqa: E402
-from absl import app, flags  # noqa: E402
-from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: E402
-from matplotlib.figure import Figure  # noqa: E402
-from ml_collections import config_flags  # noqa: E402
-
-from launch import overrides  # noqa: E402
-from metrics.traffic import Traffic, read_traffic  # noqa: E402
-from moe_hk import dispatch_plan  # noqa: E402
 
 DEFAULT_FACTORS = (1.0, 1.25, 1.5, 2.0, 3.0)
 GIB, MIB = 1024 ** 3, 1024 ** 2
@@ -55,7 +52,7 @@ _FACTORS = flags.DEFINE_list("factors", None, "Buffer factors to replay; default
 _EXPERT_SHARDS = flags.DEFINE_integer("expert_shards", None, "Expert-parallel size to regroup "
                                       "the traffic for; default: the run's.")
 _FORMAT = flags.DEFINE_enum("format", "table", ["table", "json"], "Markdown table or JSON list.")
-_AOT_CONFIG = config_flags.DEFINE_config_file(
+_AOT_CONFIG = cli.define_config(
     "aot_config", None, "With --compile_topology (a launch.aot topology): also compile this "
     "config's train step per factor and report its memory per device.")
 
@@ -122,7 +119,7 @@ def memory_per_factor(config: ml_collections.ConfigDict, topology: str,
 
   The mesh gets `expert_shards` on its expert axis; fsdp takes up the rest of the devices.
   """
-  from launch import aot, trainer  # loaded before jax, see the top of this file
+  from launch import aot, trainer  # loaded only when asked for, see the top of this file
   devices = aot.topology_devices(topology)
   experts = traffic.counts.shape[-1]
   if (config.moe.num_experts, config.moe.num_experts_per_tok) != (experts, traffic.k):
@@ -143,11 +140,13 @@ def memory_per_factor(config: ml_collections.ConfigDict, topology: str,
 
 
 def describe(traffic: Traffic, expert_shards: int) -> str:
-  """One line: what was recorded and how it is grouped."""
+  """One line: what was recorded, how it is grouped and how many traffic files were skipped."""
   n, layers, devices, experts = traffic.counts.shape
+  skipped = len(traffic.skipped)
   return (f"{n} steps ({traffic.steps[0]}..{traffic.steps[-1]}), {layers} MoE layers, "
           f"{devices} devices, E={experts}, T={traffic.tokens_per_device}, K={traffic.k}; "
-          f"expert groups of P={expert_shards} (recorded with P={traffic.expert_shards})")
+          f"expert groups of P={expert_shards} (recorded with P={traffic.expert_shards}); "
+          f"{skipped} file{'' if skipped == 1 else 's'} skipped")
 
 
 def memory_unit(results: list[dict]) -> tuple[str, int]:
@@ -205,14 +204,25 @@ def _topology() -> str | None:
   return flags.FLAGS.compile_topology if given else None
 
 
+def _cpu_devices(topology: str | None) -> int:
+  """The CPU devices to start jax with: launch.aot's for the topology, else one (the replay's)."""
+  if topology is None:
+    return 1
+  from launch import aot  # loaded when --compile_topology is given, see the top of this file
+  return aot.cpu_device_count(topology)
+
+
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  del argv  # launch.cli refuses arguments that are not flags
   topology = _topology()
   if (_AOT_CONFIG.value is None) != (topology is None):
     raise app.UsageError("--aot_config and --compile_topology go together (e.g. "
-                         "--aot_config=launch/configs/tiny.py --compile_topology=cpu:8).")
+                         "--aot_config=launch/configs/tiny.py --compile_topology=cpu:8).",
+                         exitcode=cli.FLAG_MISUSE)
   try:
+    # The CPU only: the replay needs no accelerator (a run may hold it), a compile is
+    # launch.aot's, for a topology, from the CPU.
+    platform.setup(_cpu_devices(topology), cpu_only=True)
     traffic = read_traffic(_WORKDIR.value)
     factors = factor_list(_FACTORS.value, traffic)
     results = plan(traffic, factors, _EXPERT_SHARDS.value)
@@ -233,4 +243,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main, flags_parser=overrides.flags_parser("aot_config", "launch/configs/default.py"))
+  cli.run(main)

@@ -1,27 +1,22 @@
-"""Demo of the MoE layer on 8 simulated CPU devices: capped vs worst-case buffer.
+"""Demo of the MoE layer, capped vs worst-case buffer, on the accelerator or 8 CPU devices.
 
 Runs one skewed batch forward and backward through the layer with a capped receive buffer and
 with the worst-case buffer, and prints how far apart they are, the buffer factor the traffic
-needed and the rows the cap dropped.
+needed and the rows the cap dropped. Without a TPU or GPU it runs on 8 simulated CPU devices.
 
   python -m launch.demo [--shards=8] [--experts=16] [--top_k=2] [--factor=1.0] [--skew=3]
 """
-import os
+import json
+import math
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
-if os.environ["JAX_PLATFORMS"] == "cpu":
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                             " --xla_force_host_platform_device_count=8").strip()
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import flags
 
-import json  # noqa: E402
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from absl import app, flags  # noqa: E402
-
-import moe_hk  # noqa: E402
+import moe_hk
+from launch import cli, platform
+from launch.errors import UserError
 
 _SHARDS = flags.DEFINE_integer("shards", 8, "Expert-parallel shards (the rest of the devices "
                                "form the data axis).")
@@ -50,8 +45,10 @@ def _skewed_batch(config, batch, seq, skew, seed=0):
 def run(shards, experts, top_k, factor, skew, batch, seq):
   """Returns the demo's figures as a dict."""
   mesh = moe_hk.make_mesh(data=jax.device_count() // shards, expert=shards)
+  # No fallback (MoEConfig's default is 'layer'): the capped run drops what overflows.
   capped = moe_hk.MoEConfig(num_experts=experts, num_experts_per_tok=top_k, emb_dim=64,
-                            mlp_dim=128, ragged_buffer_factor=factor)
+                            mlp_dim=128, ragged_buffer_factor=factor,
+                            moe_dropless_fallback="none")
   params, x = _skewed_batch(capped, batch, seq, skew)
   results = {}
   for name, config in [("capped", capped), ("worst_case", capped.replace(ragged_buffer_factor=-1))]:
@@ -74,10 +71,34 @@ def run(shards, experts, top_k, factor, skew, batch, seq):
   }
 
 
+def _require(valid: bool, flag: str, value: object, what: str) -> None:
+  if not valid:
+    raise UserError(f"--{flag}={value}: must be {what}.")
+
+
+def check_flags(shards: int, experts: int, top_k: int, factor: float, skew: float, batch: int,
+                seq: int, devices: int) -> None:
+  """Raises UserError for the first flag the demo cannot run with on `devices` devices."""
+  _require(shards >= 1 and devices % shards == 0, "shards", shards,
+           f"a divisor of the {devices} devices")
+  _require(experts >= 1 and experts % shards == 0, "experts", experts,
+           f"a positive multiple of --shards={shards} (each shard holds experts / shards)")
+  _require(1 <= top_k <= experts, "top_k", top_k, f"in [1, --experts={experts}]")
+  _require(math.isfinite(factor) and factor > 0, "factor", factor,
+           "a buffer factor > 0 (1.0: the balanced rows)")
+  _require(math.isfinite(skew), "skew", skew, "a finite number")
+  _require(batch >= 1 and batch % devices == 0, "batch", batch,
+           f"a positive multiple of the {devices} devices (the batch is sharded over all)")
+  _require(seq >= 1, "seq", seq, "at least 1")
+
+
 def main(argv):
-  del argv
-  out = run(_SHARDS.value, _EXPERTS.value, _TOP_K.value, _FACTOR.value, _SKEW.value,
+  del argv  # launch.cli refuses arguments that are not flags
+  platform.setup()
+  values = (_SHARDS.value, _EXPERTS.value, _TOP_K.value, _FACTOR.value, _SKEW.value,
             _BATCH.value, _SEQ.value)
+  check_flags(*values, devices=jax.device_count())
+  out = run(*values)
   print(json.dumps(out, indent=2))
   print(f"\nrequired buffer factor {out['required_buffer_factor']:.3f} vs cap "
         f"{out['ragged_buffer_factor']}: the capped layer dropped {out['dropped_rows_capped']} "
@@ -87,4 +108,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -1,25 +1,55 @@
-"""Checks `--config.KEY=VALUE` overrides against the config file before absl parses them.
+"""Config files on the command line: `--config=FILE` and its `--config.KEY=VALUE` overrides.
 
-ml_collections answers an unknown key with a traceback from inside flag parsing; here it is one
-line that names the key and the closest valid ones. Used as `app.run(main, flags_parser=...)`.
+ml_collections answers a missing file or an unknown key with a traceback from inside flag
+parsing; `launch.cli` checks both first with `load` and `unknown_override`, one line each that
+names the file or key and what is valid. `as_flags` writes a config back as the overrides that
+set every key.
 """
 from __future__ import annotations
 
 import difflib
+import os
 import runpy
-import sys
-from typing import Callable, Sequence
+import shlex
+from typing import Sequence
 
 import ml_collections
-from absl import app
+
+from launch.errors import UserError
+
+# The config files that ship with the launcher, wherever the command runs.
+CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
 
 
-def _config_path(argv: Sequence[str], flag: str, default: str) -> str:
-  path = default
-  for arg in argv:
+def shipped() -> str:
+  """The shipped config files, in words."""
+  names = sorted(n for n in os.listdir(CONFIGS) if n.endswith(".py") and n != "__init__.py")
+  return f"Shipped configs: {', '.join(names)} in {CONFIGS}"
+
+
+def config_path(argv: Sequence[str], flag: str) -> str | None:
+  """The file `argv` gives `--flag` (`--flag=FILE` or `--flag FILE`; the last one), or None."""
+  path = None
+  for arg, following in zip(argv, [*argv[1:], None]):
     if arg.startswith(f"--{flag}="):
       path = arg.split("=", 1)[1]
+    elif arg == f"--{flag}" and following is not None:
+      path = following
   return path
+
+
+def load(path: str, flag: str = "config") -> ml_collections.ConfigDict:
+  """The config `path`'s `get_config()` returns; UserError when the file cannot give one."""
+  if not os.path.isfile(path):
+    raise UserError(f"--{flag}={path}: no such file (from {os.getcwd()}). {shipped()}.")
+  try:
+    module = runpy.run_path(path)
+  except SyntaxError as e:
+    raise UserError(f"--{flag}={path}: line {e.lineno}: {e.msg}; a config file is Python "
+                    "with a get_config().") from None
+  if "get_config" not in module:
+    raise UserError(f"--{flag}={path}: defines no get_config(). {shipped()}.")
+  return module["get_config"]()
 
 
 def unknown_override(argv: Sequence[str], config: ml_collections.ConfigDict,
@@ -42,17 +72,12 @@ def unknown_override(argv: Sequence[str], config: ml_collections.ConfigDict,
   return None
 
 
-def flags_parser(flag: str, default_path: str) -> Callable[[list[str]], list[str]]:
-  """An absl `flags_parser` that refuses unknown `--flag.KEY` overrides in one line."""
-  def parse(argv: list[str]) -> list[str]:
-    path = _config_path(argv, flag, default_path)
-    try:
-      config = runpy.run_path(path)["get_config"]()
-    except (OSError, KeyError, SyntaxError):
-      config = None  # the config flag reports a bad file itself
-    message = config is not None and unknown_override(argv, config, flag)
-    if message:
-      sys.stderr.write(f"FATAL Flags parsing error: {message}\n")
-      sys.exit(1)
-    return app.parse_flags_with_usage(argv)
-  return parse
+def as_flags(config: ml_collections.ConfigDict, flag: str = "config") -> list[str]:
+  """`--flag.KEY=VALUE` for every key of `config` (nested keys dotted), quoted for a shell."""
+  lines = []
+  for key, value in config.items():
+    if isinstance(value, ml_collections.ConfigDict):
+      lines += as_flags(value, f"{flag}.{key}")
+    else:
+      lines.append(f"--{flag}.{key}={shlex.quote(str(value))}")
+  return lines

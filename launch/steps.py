@@ -86,7 +86,9 @@ def _transformed(config, mesh: Mesh, chunk_loop) -> hk.Transformed:
 
 def make_steps(config: ml_collections.ConfigDict, mesh: Mesh,
                chunk_loop: fallback.ChunkLoop = fallback.scan_chunks) -> Steps:
-  """Builds the jitted steps; the train step donates the state. In
+  """Builds the jitted steps; the train step donates the state. Its outputs hold `skipped`
+  (bool scalar: the loss or gradient norm was not finite; with `config.skip_nonfinite_steps`
+  the step then left params and optimizer state unchanged). In
   `moe.moe_dropless_fallback='step'` mode a step in which a MoE layer overflowed runs every
   MoE layer from that one on the chunked dropless path (`moe_hk.step_replay`); its outputs
   then hold `replayed` (bool scalar)."""
@@ -106,12 +108,20 @@ def make_steps(config: ml_collections.ConfigDict, mesh: Mesh,
 
   def train_step(state, batch):
     loss = functools.partial(loss_fn, model, config)
-    (_, (ce, stats)), gradients = jax.value_and_grad(loss, has_aux=True)(
+    (total, (ce, stats)), gradients = jax.value_and_grad(loss, has_aux=True)(
         state.params, batch, state.step)
     extra = {"replayed": step_replay.any_overflow(stats)} if step_mode else {}
+    grad_norm = optax.tree.norm(gradients)
     updates, opt_state = tx.update(gradients, state.opt_state, state.params)
-    new_state = TrainState(state.step + 1, optax.apply_updates(state.params, updates), opt_state)
-    return new_state, {"loss": ce, "grad_norm": optax.tree.norm(gradients),
+    params = optax.apply_updates(state.params, updates)
+    finite = jnp.isfinite(total) & jnp.isfinite(grad_norm)
+    if config.skip_nonfinite_steps:
+      # One select per leaf, fused into the update on the donated buffers: a non-finite step
+      # keeps the params and optimizer state it was given.
+      keep = lambda new, old: jnp.where(finite, new, old)
+      params, opt_state = jax.tree.map(keep, (params, opt_state), (state.params, state.opt_state))
+    new_state = TrainState(state.step + 1, params, opt_state)
+    return new_state, {"loss": ce, "grad_norm": grad_norm, "skipped": ~finite,
                        "learning_rate": schedule(state.step), "moe_stats": stats, **extra}
 
   eval_loss = jax.jit(lambda params, batch: loss_fn(model, config, params, batch, None)[1][0],

@@ -19,19 +19,21 @@ from typing import NamedTuple
 import jax
 import ml_collections
 import numpy as np
-import orbax.checkpoint as ocp
 from absl import logging
-from clu import periodic_actions
 from jax.experimental import multihost_utils
 
 import metrics
 import moe_hk
 from launch import autopilot, programs
+from launch import console as console_lib
 from launch import data as data_lib
 from launch.attention import ATTENTION_IMPLS
+from launch.checkpoints import Checkpoints
+from launch.errors import UserError
 from launch.model import REMAT_POLICIES, moe_config
 from launch.steps import Steps, make_steps
 from metrics import traffic
+from moe_hk import aot
 
 
 def flat_hparams(config: ml_collections.ConfigDict) -> dict:
@@ -107,6 +109,8 @@ def validate(config: ml_collections.ConfigDict, devices: int | None = None) -> N
              ">= 1.")
   for name in ("memory_budget_gib", "traffic_max_mib"):
     _require(config.moe[name] >= 0, f"config.moe.{name}={config.moe[name]} must be >= 0.")
+  _require(config.max_consecutive_nonfinite >= 1,
+           f"config.max_consecutive_nonfinite={config.max_consecutive_nonfinite} must be >= 1.")
   for name in ("train_steps", "eval_every", "checkpoint_every", "log_every", "learning_rate"):
     _require(config[name] > 0, f"config.{name}={config[name]} must be > 0.")
 
@@ -143,49 +147,76 @@ def _place_batch(local: np.ndarray, steps: Steps, global_rows: int) -> jax.Array
 class _Pending(NamedTuple):
   """A step whose outputs are still on the device."""
   step: int
-  outputs: dict        # loss, grad_norm, learning_rate, moe_stats (device arrays)
+  outputs: dict        # loss, grad_norm, learning_rate, skipped, moe_stats (device arrays)
   factor: float        # the ragged_buffer_factor of the program that ran it
+
+
+class _Totals:
+  """What the run did so far, for the console's summary and the non-finite stop."""
+
+  def __init__(self):
+    self.steps = self.fallback_steps = self.dropped_rows = self.skipped = 0
+    self.consecutive_skipped = 0  # skipped steps in a row, up to the last step fetched
+    self.eval_loss: float | None = None
 
 
 class _Reporter:
   """Fetches pending steps' outputs from the device in one transfer and writes every step's
   points: training scalars always; the MoE telemetry when `config.moe_metrics`; the routed
-  traffic to `WORKDIR/traffic` (process 0) when `config.moe.record_traffic`; and feeds the
-  autopilot, if any."""
+  traffic to `WORKDIR/traffic` (process 0) when `config.moe.record_traffic`; feeds the
+  autopilot, if any; prints the interval's progress line."""
 
   def __init__(self, config, moe_metrics: metrics.MoEMetrics, tokens_per_step: int,
-               recorder: traffic.TrafficRecorder | None, pilot: autopilot.Autopilot | None):
+               recorder: traffic.TrafficRecorder | None, pilot: autopilot.Autopilot | None,
+               console: console_lib.Console):
     self.config = config
     self.moe_metrics = moe_metrics
     self.tokens_per_step = tokens_per_step
     self.recorder = recorder
     self.pilot = pilot
+    self.console = console
     self.losses: list[float] = []
+    self.totals = _Totals()
     self.replays = 0  # step mode: steps replayed so far (moe/step_replays)
+    self._since = time.perf_counter()
+
+  def restart_clock(self) -> None:
+    """Times the next interval from now (after the first step's compilation)."""
     self._since = time.perf_counter()
 
   def flush(self, pending: list[_Pending]) -> None:
     if not pending:
       return
     fetched = jax.device_get([p.outputs for p in pending])
-    now = time.perf_counter()
+    seconds = time.perf_counter() - self._since
+    totals, interval_fallbacks, interval_dropped, interval_skipped = self.totals, 0, 0, 0
     for p, out in zip(pending, fetched):
       self.losses.append(float(out["loss"]))
+      skipped = bool(out["skipped"])
+      totals.skipped += skipped
+      totals.consecutive_skipped = totals.consecutive_skipped + 1 if skipped else 0
+      interval_skipped += skipped
+      stats = out["moe_stats"]
+      interval_fallbacks += bool(np.any(stats.fallback))
+      interval_dropped += int(np.sum(stats.dropped_rows))
       extra = {f"train/{k}": float(out[k]) for k in ("loss", "grad_norm", "learning_rate")}
+      extra["train/skipped_steps"] = totals.skipped
       if p is pending[-1]:
-        extra["train/tokens_per_second"] = (self.tokens_per_step * len(pending) /
-                                            (now - self._since))
+        extra["train/tokens_per_second"] = self.tokens_per_step * len(pending) / seconds
       replayed = bool(out.get("replayed", False))
       self.replays += replayed
       if self.config.moe_metrics:
         extra["moe/ragged_buffer_factor"] = p.factor
-        self.moe_metrics.report_step(p.step, out["moe_stats"], attempt=int(replayed),
+        self.moe_metrics.report_step(p.step, stats, attempt=int(replayed),
                                      replays=self.replays if "replayed" in out else None,
                                      extra_scalars=extra)
       else:
         self.moe_metrics.writer.write_scalars(p.step, extra)
+      if skipped:
+        self.moe_metrics.alerts.nonfinite_step(p.step, float(out["loss"]),
+                                               float(out["grad_norm"]))
       if self.pilot is not None:
-        self.pilot.observe(out["moe_stats"])
+        self.pilot.observe(stats)
     if self.recorder is not None:
       self.recorder.append([p.step for p in pending],
                            np.stack([out["moe_stats"].routed_rows_per_device for out in fetched]),
@@ -194,29 +225,16 @@ class _Reporter:
       self.moe_metrics.end_interval(pending[-1].step)
     else:
       self.moe_metrics.writer.flush()
+    totals.steps += len(pending)
+    totals.fallback_steps += interval_fallbacks
+    totals.dropped_rows += interval_dropped
+    self.console.progress(console_lib.Interval(
+        last_step=pending[-1].step, loss=self.losses[-1], seconds_per_step=seconds / len(pending),
+        tokens_per_second=self.tokens_per_step * len(pending) / seconds,
+        fallback_steps=interval_fallbacks, steps=len(pending), dropped_rows=interval_dropped,
+        skipped_steps=interval_skipped, factor=pending[-1].factor))
     pending.clear()
     self._since = time.perf_counter()
-
-
-def _checkpoint_args(state, data, moe_metrics, pilot) -> ocp.args.Composite:
-  return ocp.args.Composite(
-      state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data.get_state()),
-      moe_metrics=ocp.args.JsonSave(moe_metrics.aggregator.state_dict()),
-      autopilot=ocp.args.JsonSave({} if pilot is None else pilot.state_dict()))
-
-
-def _restore(manager, state, data, moe_metrics, pilot):
-  """The latest checkpoint's train state; restores the data iterator, the MoE metrics'
-  trailing windows and the autopilot (its factor in force) in place."""
-  abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
-  restored = manager.restore(manager.latest_step(), args=ocp.args.Composite(
-      state=ocp.args.StandardRestore(abstract), data=ocp.args.JsonRestore(),
-      moe_metrics=ocp.args.JsonRestore(), autopilot=ocp.args.JsonRestore()))
-  data.set_state(restored.data)
-  moe_metrics.aggregator.load_state_dict(restored.moe_metrics)
-  if pilot is not None and restored.autopilot:
-    pilot.load_state_dict(restored.autopilot)
-  return restored.state
 
 
 def _autopilot(config, mesh, steps: Steps, moe_metrics: metrics.MoEMetrics
@@ -238,39 +256,87 @@ def _autopilot(config, mesh, steps: Steps, moe_metrics: metrics.MoEMetrics
   return autopilot.Autopilot(controller, cache, on_change=on_change, wait=m.autotune_wait)
 
 
+def _check_workdir(workdir: str) -> None:
+  """UserError unless `workdir` exists or can be created, and a file can be written in it."""
+  probe = os.path.join(workdir, f".write-test-{os.getpid()}")
+  try:
+    os.makedirs(workdir, exist_ok=True)
+    with open(probe, "w"):
+      pass
+    os.remove(probe)
+  except OSError as e:
+    raise UserError(f"workdir {workdir!r} cannot be created or written ({e.strerror or e}): "
+                    "pass a folder this user can write.") from None
+
+
+_ALERTS_FILE = "alerts.jsonl"  # where metrics.AlertManager writes, in the workdir
+
+
+def _alerts_written(workdir: str) -> int:
+  """Lines in `workdir/alerts.jsonl` (0 when there is none)."""
+  path = os.path.join(workdir, _ALERTS_FILE)
+  if not os.path.exists(path):
+    return 0
+  with open(path) as f:
+    return sum(1 for _ in f)
+
+
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                        stop_after: int | None = None) -> list[float]:
-  """Trains from the latest checkpoint in `workdir` (or from scratch) to `config.train_steps`;
-  returns the training losses of the steps it ran. `stop_after` ends the run after that step
-  with a checkpoint, as a preemption would (the schedule still targets train_steps).
+  """Trains from the newest readable checkpoint in `workdir` (or from scratch) to
+  `config.train_steps`; returns the training losses of the steps it ran. `stop_after` ends the
+  run after that step with a checkpoint, as a preemption would (the schedule still targets
+  train_steps).
 
   The host runs ahead of the device: step outputs stay on the device and are fetched every
   `config.log_every` steps (and before an eval, a checkpoint or a stop), each step still
-  getting its own TensorBoard points. With `config.moe.autotune_ragged_buffer_factor` the autopilot swaps in
-  programs for other buffer factors at step boundaries.
+  getting its own TensorBoard points. With `config.moe.autotune_ragged_buffer_factor` the
+  autopilot swaps in programs for other buffer factors at step boundaries. A user's mistake
+  found before compiling (config, workdir, data) raises `UserError`, as do a failed checkpoint
+  write and `config.max_consecutive_nonfinite` skipped steps in a row (after a checkpoint).
   """
-  validate(config)
+  try:
+    validate(config)
+  except ValueError as e:
+    raise UserError(str(e)) from None
+  _check_workdir(workdir)
   mesh = moe_hk.make_mesh(**config.mesh)
-  data = data_lib.make_data(config, process_index=jax.process_index(),
-                            process_count=jax.process_count())
+  try:
+    data = data_lib.make_data(config, process_index=jax.process_index(),
+                              process_count=jax.process_count())
+  except (ValueError, OSError) as e:
+    raise UserError(str(e)) from None
   steps = make_steps(config, mesh)
-  state = steps.init(jax.random.key(config.seed))
-  manager = ocp.CheckpointManager(
-      os.path.join(os.path.abspath(workdir), "checkpoints"),
-      options=ocp.CheckpointManagerOptions(max_to_keep=config.checkpoints_to_keep,
-                                           save_interval_steps=config.checkpoint_every))
+  console = console_lib.Console(config.train_steps)
+  checkpoints = Checkpoints(workdir, keep=config.checkpoints_to_keep,
+                            every=config.checkpoint_every)
+  abstract_state = aot.abstract_like(jax.eval_shape(steps.init, jax.random.key(config.seed)),
+                                     steps.state_sharding)
+  restored = checkpoints.restore(abstract_state)
+  if restored is not None and restored.step >= config.train_steps:
+    console.line(f"{workdir} is at step {restored.step}, config.train_steps="
+                 f"{config.train_steps}: nothing to train. To train longer, rerun with "
+                 f"--config.train_steps=N, N > {restored.step}.")
+    checkpoints.close()
+    return []
+  state = steps.init(jax.random.key(config.seed)) if restored is None else restored.state
   m = config.moe
   worst = metrics.worst_case_factor(m.num_experts, m.num_experts_per_tok, config.mesh[m.expert_axis])
   batch_rows = config.data.batch_size
   preemption = _Preemption()
   pilot = None
+  alerts_before = _alerts_written(workdir)
+  started = time.perf_counter()
   try:
     with metrics.MoEMetrics(workdir, worst_case_factor=worst, hparams=flat_hparams(config),
                             flush_on_sigterm=False) as moe_metrics:
       pilot = _autopilot(config, mesh, steps, moe_metrics)
-      if manager.latest_step() is not None:
-        state = _restore(manager, state, data, moe_metrics, pilot)
-        logging.info("resumed from step %d", int(state.step))
+      if restored is not None:
+        data.set_state(restored.data)
+        moe_metrics.aggregator.load_state_dict(restored.moe_metrics)
+        if pilot is not None and restored.autopilot:
+          pilot.load_state_dict(restored.autopilot)
+        console.line(f"resumed from step {restored.step} ({checkpoints.directory})")
       factor = m.ragged_buffer_factor if pilot is None else pilot.factor
       if pilot is not None and factor != m.ragged_buffer_factor:
         run = pilot.cache.compile_now(factor).step  # resumed at the autopilot's factor
@@ -283,39 +349,81 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
           tokens_per_device=batch_rows * config.data.seq_len // jax.device_count(),
           max_bytes=m.traffic_max_mib * 1024 ** 2)
           if m.record_traffic and jax.process_index() == 0 else None)
-      reporter = _Reporter(config, moe_metrics, batch_rows * config.data.seq_len, recorder, pilot)
-      report = periodic_actions.ReportProgress(num_train_steps=config.train_steps,
-                                               writer=moe_metrics.writer.clu_writer)
+      reporter = _Reporter(config, moe_metrics, batch_rows * config.data.seq_len, recorder, pilot,
+                           console)
+      totals = reporter.totals
+      first = int(state.step)
+
+      def save(step: int) -> None:
+        checkpoints.save(step, state, data.get_state(), moe_metrics.aggregator.state_dict(),
+                         {} if pilot is None else pilot.state_dict())
+
       pending: list[_Pending] = []
-      for step in range(int(state.step), config.train_steps):
+      for step in range(first, config.train_steps):
         switched = None if pilot is None else pilot.switch(step)
         if switched is not None:
           run, factor = switched.step, switched.factor
         batch = _place_batch(data.train_batch(step), steps, batch_rows)
+        if step == first:
+          console.line("compiling the train step (it runs once compiled) ...")
+          compile_started = time.perf_counter()
         state, out = run(state, batch)
+        if step == first:
+          jax.block_until_ready(out["loss"])
+          console.line(f"first step: {time.perf_counter() - compile_started:.1f} s "
+                       "(compilation included)")
+          reporter.restart_clock()
         pending.append(_Pending(step, out, factor))
         done = step + 1 == config.train_steps
         evaluate = (step + 1) % config.eval_every == 0 or done
-        boundary = (evaluate or manager.should_save(step + 1) or
+        boundary = (evaluate or checkpoints.should_save(step + 1) or
                     (step + 1) % config.log_every == 0)
         stopping = (stop_after is not None and step + 1 >= stop_after) or (
             preemption.should_stop() if boundary or jax.process_count() == 1 else False)
         if boundary or stopping:
           reporter.flush(pending)
+          if (config.skip_nonfinite_steps and
+              totals.consecutive_skipped >= config.max_consecutive_nonfinite):
+            save(step + 1)
+            checkpoints.wait()
+            raise UserError(
+                f"{totals.consecutive_skipped} steps in a row up to step {step} had a non-finite "
+                f"loss or gradient norm (config.max_consecutive_nonfinite="
+                f"{config.max_consecutive_nonfinite}); they changed nothing, and the state is "
+                f"checkpointed at step {step + 1}: check the data and the learning rate, then "
+                "rerun to resume.")
         if evaluate:
-          moe_metrics.writer.write_scalars(step, {"eval/loss": float(np.mean([
+          totals.eval_loss = float(np.mean([
               steps.eval_loss(state.params, _place_batch(data.eval_batch(i), steps, batch_rows))
-              for i in range(config.eval_batches)]))})
-        report(step)
-        if manager.should_save(step + 1) or stopping or done:
-          manager.save(step + 1, args=_checkpoint_args(state, data, moe_metrics, pilot),
-                       force=True)
+              for i in range(config.eval_batches)]))
+          moe_metrics.writer.write_scalars(step, {"eval/loss": totals.eval_loss})
+        if checkpoints.should_save(step + 1) or stopping or done:
+          save(step + 1)
         if stopping:
-          logging.info("stopping after step %d with a checkpoint", step + 1)
+          console.line(f"stopping after step {step + 1} with a checkpoint")
           break
-      manager.wait_until_finished()
+      checkpoints.wait()
   finally:
     preemption.restore()
     if pilot is not None:
       pilot.cache.close()
+  _summary(console, workdir, checkpoints, totals, reporter.losses, first,
+           time.perf_counter() - started, _alerts_written(workdir) - alerts_before)
+  checkpoints.close()
   return reporter.losses
+
+
+def _summary(console: console_lib.Console, workdir: str, checkpoints: Checkpoints,
+             totals: _Totals, losses: list[float], first: int, seconds: float,
+             alerts: int) -> None:
+  """The run's last lines: what it did and where its outputs are."""
+  if not losses:
+    return
+  evaluated = "" if totals.eval_loss is None else f" (eval {totals.eval_loss:.4g})"
+  console.line(
+      f"done: steps {first}-{first + len(losses) - 1} in {console_lib.duration(seconds)} | "
+      f"loss {losses[-1]:.4g}{evaluated} | fallback in {totals.fallback_steps}/{totals.steps} "
+      f"steps | dropped {totals.dropped_rows} rows | skipped {totals.skipped} non-finite steps")
+  console.line(f"alerts: {alerts} new in {os.path.join(workdir, _ALERTS_FILE)} | "
+               f"TensorBoard: tensorboard --logdir {workdir} | checkpoints: "
+               f"{checkpoints.directory} (step {checkpoints.latest_step()})")

@@ -29,6 +29,7 @@ class LayerRecord(NamedTuple):
   dropped_rows: int
   routed_rows: int
   tokens_per_expert: np.ndarray  # [E]
+  nonfinite_tokens: int          # tokens with non-finite router logits, routed to no expert
   shards: frozenset              # processes whose reports arrived
   fallback_chunks: int           # chunks the fallback ran (0 if it did not)
   router_entropy: float          # mean router entropy (nats)
@@ -78,7 +79,8 @@ def layer_record(stats, *, attempt: int, shard: int) -> LayerRecord:
       attempt=attempt, fallback=bool(s.fallback), required_factor=float(s.required_factor),
       would_drop_rows=int(s.would_drop_rows), dropped_rows=int(s.dropped_rows),
       routed_rows=int(np.sum(s.tokens_per_expert)),
-      tokens_per_expert=np.asarray(s.tokens_per_expert), shards=frozenset([shard]),
+      tokens_per_expert=np.asarray(s.tokens_per_expert),
+      nonfinite_tokens=int(s.nonfinite_tokens), shards=frozenset([shard]),
       fallback_chunks=int(s.fallback_chunks), router_entropy=float(s.router_entropy),
       lb_loss=float(s.lb_loss), z_loss=float(s.z_loss),
       receiver_overflow_rows=np.asarray(s.receiver_overflow_rows))

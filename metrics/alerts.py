@@ -1,19 +1,25 @@
 """Host-side overflow alerts: rules over `StepMetrics`, rate-limited, to three sinks.
 
 Rules:
-  fallback_ran          a MoE layer fell back this step
-  frequent_fallback     fallback frequency over the trailing window above a threshold
-  rows_dropped          the capped buffer dropped rows (the fallback is off)
-  near_worst_case       the required factor came within a margin of the worst case
-  buffer_factor_changed the launcher's autopilot switched the buffer factor (`factor_changed`)
+  fallback_ran           a MoE layer fell back this step
+  frequent_fallback      fallback frequency over the trailing window above a threshold
+  rows_dropped           the capped buffer dropped rows (the fallback is off)
+  near_worst_case        the required factor came within a margin of the worst case
+  nonfinite_router_input a MoE layer got tokens whose router logits are not finite (NaN or inf
+                         input): routed to no expert, their outputs NaN; not an overflow
+  buffer_factor_changed  the launcher's autopilot switched the buffer factor (`factor_changed`)
+  nonfinite_step         the trainer skipped a step whose loss or gradient norm was not finite
+                         (`nonfinite_step`)
 
-Each alert names the step, the layers, for each layer the receiving expert shards whose buffer
-overflowed and the three hottest experts, since when the condition holds, how often it happens,
-and the `ragged_buffer_factor` that would have avoided overflow in the trailing window's
-quantile. `check` runs the rules on a finished step; `check_fallback` fires `fallback_ran` at
-once from a layer's fallback event (before the trainer fetches the step's stats). Sinks: absl
-`logging.warning`, `alerts.jsonl` in the workdir (one JSON object a line), and an optional
-callable. A rule fires at most once every `min_steps_between` steps.
+Each overflow alert names the step, the layers, for each layer the receiving expert shards
+whose buffer overflowed and the three hottest experts, since when the condition holds, how
+often it happens, and the `ragged_buffer_factor` that would have avoided overflow in the
+trailing window's quantile; `nonfinite_router_input` names the step, the layers and their
+non-finite token counts (`details`). `check` runs the rules on a finished step;
+`check_fallback` fires `fallback_ran` at once from a layer's fallback event (before the
+trainer fetches the step's stats). Sinks: absl `logging.warning`, `alerts.jsonl` in the
+workdir (one JSON object a line), and an optional callable. A rule fires at most once every
+`min_steps_between` steps.
 """
 from __future__ import annotations
 
@@ -28,6 +34,9 @@ from typing import Callable, NamedTuple
 from absl import logging
 
 from metrics.aggregator import LayerRecord, StepMetrics
+
+NONFINITE_RULE = "nonfinite_router_input"
+NONFINITE_STEP_RULE = "nonfinite_step"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,7 +57,9 @@ class Alert(NamedTuple):
   required_factor: float
   recommended_ragged_buffer_factor: float
   message: str
-  details: dict | None = None   # buffer_factor_changed: old and new factor, the evidence
+  # buffer_factor_changed: old and new factor, the evidence; nonfinite_router_input:
+  # {"nonfinite_tokens": [count per layer in `layers`]}; nonfinite_step: loss, grad_norm.
+  details: dict | None = None
 
 
 def _round_up(factor: float) -> float:
@@ -82,6 +93,7 @@ class AlertManager:
         "rows_dropped": [i for i, r in layers if r.dropped_rows > 0],
         "near_worst_case": [i for i, r in layers if r.required_factor >=
                             self.config.near_worst_fraction * self.worst_case_factor],
+        NONFINITE_RULE: [i for i, r in layers if r.nonfinite_tokens > 0],
     }
     if m.fallback_frequency > self.config.frequency_threshold:
       held["frequent_fallback"] = [i for i, r in layers if r.fallback or r.would_drop_rows]
@@ -131,19 +143,45 @@ class AlertManager:
       self._send(alert)
     return alert
 
+  def nonfinite_step(self, step: int, loss: float, grad_norm: float) -> Alert | None:
+    """`nonfinite_step`: the train step's loss or gradient norm was not finite, so the
+    trainer skipped its update (rate-limited like the rules)."""
+    with self._lock:
+      if not self._due(NONFINITE_STEP_RULE, step):
+        return None
+      message = (f"Non-finite train step [{NONFINITE_STEP_RULE}] at step {step}: loss {loss:g}, "
+                 f"gradient norm {grad_norm:g}; the update was skipped (params and optimizer "
+                 "state unchanged). Look for nonfinite_router_input alerts, the data of this "
+                 "step and the learning rate.")
+      alert = Alert(time=time.time(), step=step, rule=NONFINITE_STEP_RULE, layers=[],
+                    hotspots=[], since=step, frequency=0.0, required_factor=0.0,
+                    recommended_ragged_buffer_factor=0.0, message=message,
+                    details={"loss": loss, "grad_norm": grad_norm})
+      self._send(alert)
+    return alert
+
+  def _due(self, rule: str, step: int) -> bool:
+    """Whether `rule` may fire at `step` (its last alert is `min_steps_between` steps back);
+    if so, records it as sent (lock held)."""
+    last = self._last_sent.get(rule)
+    if last is not None and step - last < self.config.min_steps_between:
+      return False
+    self._last_sent[rule] = step
+    return True
+
   def _fire(self, m: StepMetrics, rule: str, layers: list[int]) -> Alert | None:
     """Sends `rule`'s alert unless it fired within `min_steps_between` steps (lock held)."""
     since = self._since.setdefault(rule, m.step)
-    last = self._last_sent.get(rule)
-    if last is not None and m.step - last < self.config.min_steps_between:
+    if not self._due(rule, m.step):
       return None
-    self._last_sent[rule] = m.step
     alert = self._alert(m, rule, layers, since)
     self._send(alert)
     return alert
 
   def _alert(self, m: StepMetrics, rule: str, layers: list[int], since: int) -> Alert:
     recommended = _round_up(m.recommended_factor)
+    if rule == NONFINITE_RULE:
+      return self._nonfinite_alert(m, layers, since, recommended)
     what = {
         "fallback_ran": "ran the dropless fallback",
         "rows_dropped": f"dropped {m.dropped_rows_fraction:.2%} of routed rows",
@@ -165,6 +203,21 @@ class AlertManager:
                  since=since,
                  frequency=m.fallback_frequency, required_factor=m.required_factor,
                  recommended_ragged_buffer_factor=recommended, message=message)
+
+  def _nonfinite_alert(self, m: StepMetrics, layers: list[int], since: int,
+                       recommended: float) -> Alert:
+    """`nonfinite_router_input`: bad input, not traffic, so no hotspots (the non-finite tokens
+    went to no expert and overflowed nothing)."""
+    counts = [m.layers[i].nonfinite_tokens for i in layers]
+    per_layer = ", ".join(f"layer {i}: {n}" for i, n in zip(layers, counts))
+    message = (f"MoE non-finite router input [{NONFINITE_RULE}] at step {m.step}: layers "
+               f"{layers} got tokens whose router logits are NaN or inf ({per_layer}); they "
+               f"were routed to no expert (no overflow, no fallback) and their outputs are NaN; "
+               f"since step {since}.")
+    return Alert(time=time.time(), step=m.step, rule=NONFINITE_RULE, layers=layers,
+                 hotspots=[], since=since, frequency=m.fallback_frequency,
+                 required_factor=m.required_factor, recommended_ragged_buffer_factor=recommended,
+                 message=message, details={"nonfinite_tokens": counts})
 
   def _send(self, alert: Alert) -> None:
     logging.warning(alert.message)

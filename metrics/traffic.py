@@ -20,18 +20,29 @@ written to a `.tmp` file and renamed, so a reader never sees half a file), holdi
 checkpoint; those replace the earlier copies, so on a step recorded twice the file with the
 larger `seq` wins. The folder is bounded: after each write the oldest files are deleted while
 the folder holds more than `max_bytes` (the newest file always stays).
+
+A reader skips, with one warning line each, the files it cannot use: one that does not load
+(truncated, not a zip, an array missing or of another dtype or rank than above) and one recorded
+for another config than the newest readable file (other metadata or counts' `[layers, devices,
+E]`).
 """
 from __future__ import annotations
 
 import os
 import re
+import zipfile
+import zlib
 from typing import NamedTuple, Sequence
 
 import numpy as np
+from absl import logging
 
 FOLDER = "traffic"
 _NAME = re.compile(r"traffic-(\d{6,})-\d{9,}-\d{9,}\.npz")
 _META = ("expert_shards", "tokens_per_device", "k")
+# Each array of a file, as the module docstring lists it: (dtype, rank).
+_FORMAT = {"steps": (np.int64, 1), "counts": (np.int32, 4), "factors": (np.float64, 1),
+           **{name: (np.int64, 0) for name in _META}}
 
 
 class Traffic(NamedTuple):
@@ -42,6 +53,11 @@ class Traffic(NamedTuple):
   expert_shards: int      # P: size of the 'expert' mesh axis when recorded.
   tokens_per_device: int  # T.
   k: int                  # K experts per token.
+  skipped: tuple[str, ...] = ()  # Paths of the files not read (each logged why), in write order.
+
+
+class _Unreadable(Exception):
+  """A traffic file that cannot be used; the message says why in a few words."""
 
 
 def _recorded(folder: str) -> list[tuple[int, str]]:
@@ -77,11 +93,12 @@ class TrafficRecorder:
     if counts.shape[2] % shards or counts.shape[3] % shards:
       raise ValueError(f"expert_shards={shards} must divide the {counts.shape[2]} devices and "
                        f"the {counts.shape[3]} experts of counts {counts.shape}.")
+    # Tokens with non-finite router logits are routed nowhere: a device routes at most T * K.
     routed = self.meta["tokens_per_device"] * self.meta["k"]
     sums = counts.sum(axis=-1)
-    if np.any(sums != routed):
-      raise ValueError(f"each device routes tokens_per_device * k = {routed} rows a step and "
-                       f"layer; counts sum to {sums.min()}..{sums.max()}.")
+    if np.any(sums > routed) or np.any(counts < 0):
+      raise ValueError(f"each device routes at most tokens_per_device * k = {routed} rows a "
+                       f"step and layer; counts sum to {sums.min()}..{sums.max()}.")
     recorded = _recorded(self.folder)
     seq = recorded[-1][0] + 1 if recorded else 0
     path = os.path.join(self.folder, f"traffic-{seq:06d}-{steps[0]:09d}-{steps[-1]:09d}.npz")
@@ -103,23 +120,102 @@ class TrafficRecorder:
 
 
 def read_traffic(workdir: str) -> Traffic:
-  """Every step recorded in `workdir/traffic/`, the newest file's copy of a step recorded twice."""
+  """Every step recorded in `workdir/traffic/`, the newest file's copy of a step recorded twice.
+
+  Files that cannot be used (module docstring) are skipped, each with a warning, and named in
+  `skipped`. ValueError when no file is left to read.
+  """
   folder = os.path.join(workdir, FOLDER)
-  recorded = _recorded(folder) if os.path.isdir(folder) else []
-  if not recorded:
-    raise ValueError(f"{folder} holds no recorded traffic: run `python -m launch.train "
+  paths = [path for _, path in _recorded(folder)] if os.path.isdir(folder) else []
+  parts = _loaded(paths)
+  if not parts:
+    what = f"readable traffic ({_files(len(paths))} skipped)" if paths else "recorded traffic"
+    raise ValueError(f"{folder} holds no {what}: run `python -m launch.train "
                      f"--workdir={workdir}` (with config.moe.record_traffic=True, the default) "
                      "first.")
-  parts = []
-  for _, path in recorded:
-    with np.load(path, allow_pickle=False) as f:
-      parts.append({name: f[name] for name in f.files})
-  meta, shape = _layout(parts[0])
-  for (_, path), part in zip(recorded, parts):
-    if _layout(part) != (meta, shape):
-      raise ValueError(f"{path}: metadata {_layout(part)[0]} and counts [layers, devices, E] "
-                       f"{_layout(part)[1]} differ from {recorded[0][1]}'s {meta} {shape}; "
-                       "traffic of different configs cannot be mixed.")
+  parts = _same_config(parts)
+  return _merged(list(parts.values()), skipped=tuple(p for p in paths if p not in parts))
+
+
+def _files(n: int) -> str:
+  """`n` files, in words."""
+  return f"{n} file" if n == 1 else f"{n} files"
+
+
+def _skip(path: str, reason: str) -> None:
+  """Logs in one line that the traffic file at `path` is not read, and why."""
+  logging.warning("Skipping traffic file %s: %s.", path, reason)
+
+
+def _loaded(paths: Sequence[str]) -> dict[str, dict[str, np.ndarray]]:
+  """`{path: arrays}` of the files that load, in the order given; the others are skipped."""
+  parts = {}
+  for path in paths:
+    try:
+      parts[path] = _load(path)
+    except _Unreadable as e:
+      _skip(path, str(e))
+  return parts
+
+
+def _load(path: str) -> dict[str, np.ndarray]:
+  """The arrays of the file at `path`, checked; _Unreadable when it cannot be used."""
+  try:
+    part = _arrays(path)
+  except (zipfile.BadZipFile, zlib.error, EOFError) as e:
+    raise _Unreadable(f"truncated or corrupt zip ({e})") from None
+  except ValueError:
+    # numpy's words would advise allow_pickle=True: never right for a file of plain arrays.
+    raise _Unreadable("an array is not a plain numeric .npy") from None
+  except OSError as e:
+    raise _Unreadable(f"cannot read it ({e.strerror or e})") from None
+  _check(part)
+  return part
+
+
+def _arrays(path: str) -> dict[str, np.ndarray]:
+  """The `_FORMAT` arrays of the zip at `path`, loaded without pickle."""
+  with open(path, "rb") as f:
+    # np.load would take other bytes for a .npy file or a pickle: neither is traffic.
+    if f.read(4) != b"PK\x03\x04":
+      raise _Unreadable("not a zip file")
+    f.seek(0)
+    with np.load(f, allow_pickle=False) as npz:
+      missing = [name for name in _FORMAT if name not in npz.files]
+      if missing:
+        raise _Unreadable(f"no {', '.join(missing)} array")
+      return {name: npz[name] for name in _FORMAT}
+
+
+def _check(part: dict[str, np.ndarray]) -> None:
+  """Raises _Unreadable unless the arrays have `_FORMAT`'s dtypes and ranks, and n >= 1 steps."""
+  for name, (dtype, rank) in _FORMAT.items():
+    if part[name].dtype != dtype or part[name].ndim != rank:
+      raise _Unreadable(f"{name} is {part[name].dtype} {part[name].shape}, not "
+                        f"{np.dtype(dtype)} of rank {rank}")
+  lengths = [len(part[name]) for name in ("steps", "counts", "factors")]
+  if not lengths[0] == lengths[1] == lengths[2] >= 1:
+    raise _Unreadable("{} steps, counts of {} and {} factors: need the same number, at least "
+                      "one".format(*lengths))
+
+
+def _same_config(parts: dict[str, dict]) -> dict[str, dict]:
+  """The parts recorded for the newest part's config, in order; the others are skipped."""
+  newest = list(parts)[-1]
+  want = _layout(parts[newest])
+  kept = {}
+  for path, part in parts.items():
+    layout = _layout(part)
+    if layout == want:
+      kept[path] = part
+    else:
+      _skip(path, f"metadata {layout[0]} and counts [layers, devices, E] {layout[1]} differ from "
+                  f"the newest file's {want[0]} {want[1]} ({os.path.basename(newest)})")
+  return kept
+
+
+def _merged(parts: list[dict], skipped: tuple[str, ...]) -> Traffic:
+  """One Traffic of `parts` (write order, one config): each step once, from the newest part."""
   steps = np.concatenate([part["steps"] for part in parts])
   order = np.concatenate([np.full(len(part["steps"]), i) for i, part in enumerate(parts)])
   # Sort by step, newest file first among equal steps, then keep each step's first row.
@@ -129,7 +225,7 @@ def read_traffic(workdir: str) -> Traffic:
   return Traffic(steps=steps[rows],
                  counts=np.concatenate([part["counts"] for part in parts])[rows],
                  factors=np.concatenate([part["factors"] for part in parts])[rows],
-                 **meta)
+                 **_layout(parts[0])[0], skipped=skipped)
 
 
 def _layout(part: dict) -> tuple[dict, tuple]:

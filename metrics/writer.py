@@ -1,6 +1,6 @@
 """CLU metric writers for the MoE tags (TensorBoard event files), flushed on exit and SIGTERM.
 
-Tags (DESIGN.md §6 and §10; `<i>` is the 0-based ordinal among MoE layers):
+Tags (docs/metrics.md; `<i>` is the 0-based ordinal among MoE layers):
   learning/moe_dropless_fallback_layers       MoE layers whose dropless fallback ran this step
   moe/fallback_frequency                      fraction of trailing-window steps with a fallback
   moe/required_ragged_buffer_factor           max over layers of the factor the traffic needed
@@ -12,6 +12,8 @@ Tags (DESIGN.md §6 and §10; `<i>` is the 0-based ordinal among MoE layers):
   moe/dead_experts/layer_<i>                  experts that got no row
   moe/router_entropy/layer_<i>                mean entropy of the router softmax (nats)
   moe/fallback_chunks/layer_<i>               chunks the fallback ran (0: it did not run)
+  moe/nonfinite_tokens/layer_<i>              tokens whose router logits were not finite
+                                              (routed to no expert, output NaN)
   moe/step_replays                            step-mode replays so far
   moe/tokens_per_expert/layer_<i>             histogram of rows per expert
   moe/expert_load                             image: MoE layers x experts, rows over the fair
@@ -41,6 +43,7 @@ LOAD_MAX_OVER_MEAN_TAG = "moe/load_max_over_mean"
 DEAD_EXPERTS_TAG = "moe/dead_experts"
 ROUTER_ENTROPY_TAG = "moe/router_entropy"
 FALLBACK_CHUNKS_TAG = "moe/fallback_chunks"
+NONFINITE_TOKENS_TAG = "moe/nonfinite_tokens"
 STEP_REPLAYS_TAG = "moe/step_replays"
 TOKENS_PER_EXPERT_TAG = "moe/tokens_per_expert"
 EXPERT_LOAD_TAG = "moe/expert_load"
@@ -66,6 +69,7 @@ def step_scalars(m: StepMetrics) -> dict[str, float]:
     scalars[f"{DEAD_EXPERTS_TAG}/layer_{layer}"] = r.dead_experts
     scalars[f"{ROUTER_ENTROPY_TAG}/layer_{layer}"] = r.router_entropy
     scalars[f"{FALLBACK_CHUNKS_TAG}/layer_{layer}"] = r.fallback_chunks
+    scalars[f"{NONFINITE_TOKENS_TAG}/layer_{layer}"] = r.nonfinite_tokens
   return scalars
 
 

@@ -36,7 +36,9 @@ class MoEConfig:
   # layer dropless over token chunks, 'step' runs the step dropless from its first
   # overflowing MoE layer on: that layer and every later one take the chunked path (the layers
   # before it fit their buffers, so their capped forward is the dropless one). Either path.
-  moe_dropless_fallback: str = "none"
+  # 'layer' by default: no row is dropped unless asked; with the worst-case buffer (factor -1)
+  # nothing can overflow and no fallback is built, so it costs nothing there.
+  moe_dropless_fallback: str = "layer"
   # 0 picks the fewest token chunks whose worst-case buffer fits the capped one.
   dropless_fallback_num_chunks: int = 0
   # How the 'layer' fallback chunks (both paths). 'adaptive' decides at run time from the

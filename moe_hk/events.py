@@ -83,12 +83,18 @@ def _deliver(name: str, stats_type: type, layout: tuple, ints, floats) -> None:
 
 
 def emit_layer_event(stats: tuple, *, step: jax.Array, layer: jax.Array, shard: int,
-                     attempt: jax.Array | int, every_step: bool) -> None:
+                     attempt: jax.Array | int, every_step: bool, can_fall_back: bool) -> None:
   """Calls back to the host with this layer's `MoEStats`: a `FALLBACK_EVENT` when
-  `stats.fallback` is set, and, if `every_step`, a `CAPPED_EVENT` otherwise."""
+  `stats.fallback` is set, and, if `every_step`, a `CAPPED_EVENT` otherwise. A layer that
+  cannot fall back (`can_fall_back` False: no fallback built, e.g. the worst-case buffer)
+  sends its `CAPPED_EVENT` without a cond."""
   layout, ints, floats = _pack([step, layer, jnp.int32(shard), jnp.int32(attempt)], stats)
   def send(name):
     return lambda: jax.debug.callback(functools.partial(_deliver, name, type(stats), layout),
                                       ints, floats)
+  if not can_fall_back:
+    if every_step:
+      send(CAPPED_EVENT)()
+    return
   jax.lax.cond(stats.fallback > 0, send(FALLBACK_EVENT),
                send(CAPPED_EVENT) if every_step else lambda: None)

@@ -71,7 +71,7 @@ class MoELayer(hk.Module):
     # Before any parameter exists: a mesh that does not fit must fail with the project's
     # ValueError, not with jax's sharding errors from the initializers.
     mesh_lib.validate_mesh(self.config, self.mesh)
-    mesh_lib.validate_input(self.config, self.mesh, x.shape)
+    mesh_lib.validate_input(self.config, self.mesh, x.shape, x.dtype)
     params = _get_params(self.config, self.mesh)
     y, stats = moe_forward(params, x, config=self.config, mesh=self.mesh,
                            step=None if hk.running_init() else step, layer_index=layer_index,

@@ -8,10 +8,11 @@ from __future__ import annotations
 from typing import Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, PartitionSpec as P
 
-from moe_hk.config import MoEConfig
+from moe_hk.config import DTYPES, MoEConfig
 
 FSDP_AXIS = "fsdp"
 
@@ -66,8 +67,12 @@ def validate_mesh(config: MoEConfig, mesh: Mesh) -> None:
         f"'{FSDP_AXIS}' ({mesh.shape[FSDP_AXIS]}).")
 
 
-def validate_input(config: MoEConfig, mesh: Mesh, shape: tuple[int, ...]) -> None:
-  """Checks x is `[B, S, D]` with D = emb_dim and B divisible by the device count."""
+def validate_input(config: MoEConfig, mesh: Mesh, shape: tuple[int, ...], dtype) -> None:
+  """Checks x is `[B, S, D]` float32 or bfloat16, with D = emb_dim and B divisible by the
+  device count."""
+  if jnp.dtype(dtype).name not in DTYPES:
+    raise ValueError(f"MoE input dtype {jnp.dtype(dtype).name} is not supported: the layer "
+                     f"takes {' or '.join(DTYPES)} input only.")
   if len(shape) != 3:
     raise ValueError(f"MoE input must be [batch, seq, emb_dim]; got shape {tuple(shape)}.")
   batch, _, width = shape

@@ -70,7 +70,9 @@ def ragged_moe(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, experts:
                *, rows: int, config: MoEConfig, backends: Backends) -> jax.Array:
   """One shard's MoE output over the ragged all-to-all with a buffer of `rows` rows.
 
-  x `[T, D]`, expert_ids / weights `[T, K]` (this shard's routing) -> `[T, D]` float32.
+  x `[T, D]`, expert_ids / weights `[T, K]` (this shard's routing) -> `[T, D]` float32. Rows
+  of id E (`routing.unrouted_id`) sort after every expert's and are in no count, so they are
+  never sent and come back as 0.
   """
   axis = config.expert_axis
   _, k = expert_ids.shape

@@ -21,7 +21,8 @@ def ring_moe(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, experts: E
              *, rows: int, config: MoEConfig, backends: Backends) -> jax.Array:
   """One shard's MoE output by ring of experts with a buffer of `rows` rows.
 
-  x `[T, D]`, expert_ids / weights `[T, K]` (this shard's routing) -> `[T, D]` float32.
+  x `[T, D]`, expert_ids / weights `[T, K]` (this shard's routing) -> `[T, D]` float32. Rows
+  of id E (`routing.unrouted_id`) are no shard's: every shard labels them L, so none runs them.
   """
   axis = config.expert_axis
   _, k = expert_ids.shape

@@ -4,7 +4,9 @@ Shapes: B local batch, S sequence, D model width, E experts, K experts per token
 shards, L = E / P local experts, T = B * S local tokens, R capped buffer rows.
 
 Routing happens once, here, for both branches: the load-balance loss, tokens per expert and
-the overflow check all come from the full step's routing, never from a chunk.
+the overflow check all come from the full step's routing, never from a chunk. A token whose
+router logits are not all finite is routed to no expert (`moe_hk.routing`): no path sends its
+rows, and its output row is NaN.
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ class ShardStats(NamedTuple):
   would_drop_rows: jax.Array    # [] int32, rows of the expert group beyond the capped buffer.
   dropped_rows: jax.Array       # [] int32, rows of the expert group actually dropped.
   tokens_per_expert: jax.Array  # [E] int32, this shard's routed rows per expert.
+  nonfinite_tokens: jax.Array   # [] int32, this shard's tokens whose router logits are not finite.
   lb_loss: jax.Array            # [] float32, this shard's unweighted load-balance loss.
   z_loss: jax.Array             # [] float32, this shard's unweighted router z-loss.
   fallback_chunks: jax.Array    # [] int32, chunks of the rung the fallback ran (0: it did not).
@@ -98,7 +101,7 @@ def moe_shard(x: jax.Array, router_w: jax.Array, experts: ExpertWeights, *, conf
     y = run(x.reshape(tokens, width), route.expert_ids, route.weights, experts,
             rows=worst_rows).reshape(batch, seq, width)
     ran_fallback, dropped, chunks = zero, zero, zero
-  elif config.moe_dropless_fallback != "none" and capped_rows < worst_rows:
+  elif builds_fallback(config, shards=shards, tokens=tokens):
     last = fixed()
     if config.moe_dropless_fallback == "layer" and config.dropless_fallback_chunking == "adaptive":
       rungs = ladder(seq=seq, capped_rows=capped_rows, worst_rows=worst_rows,
@@ -120,18 +123,31 @@ def moe_shard(x: jax.Array, router_w: jax.Array, experts: ExpertWeights, *, conf
     y = capped(operands, ids)
     ran_fallback, dropped, chunks = zero, would_drop, zero
 
+  y = routing_lib.nan_where_unrouted(y, route.finite.reshape(batch, seq))
   stats = ShardStats(
       fallback=ran_fallback,
       required_factor=dispatch_plan.required_factor(traffic, tokens * k),
       would_drop_rows=would_drop,
       dropped_rows=dropped,
       tokens_per_expert=routing_lib.tokens_per_expert(route.expert_ids, config.num_experts),
+      nonfinite_tokens=routing_lib.nonfinite_tokens(route),
       lb_loss=routing_lib.load_balance_loss(route, config.num_experts),
       z_loss=routing_lib.router_z_loss(route),
       fallback_chunks=chunks,
       router_entropy=routing_lib.router_entropy(route),
       receiver_overflow_rows=dispatch_plan.receiver_overflow_rows(traffic, capped_rows))
   return y.astype(x.dtype), stats
+
+
+def builds_fallback(config: MoEConfig, *, shards: int, tokens: int) -> bool:
+  """Whether the layer builds its overflow check and dropless fallback (without
+  `force_dropless`): a fallback mode and a buffer below the worst case of `tokens` tokens per
+  shard over `shards` expert shards. With the worst-case buffer nothing can overflow, so no
+  cond is built and the fallback costs nothing."""
+  k, local = config.num_experts_per_tok, config.num_experts // shards
+  return config.moe_dropless_fallback != "none" and (
+      dispatch_plan.buffer_rows(shards, tokens, k, local, config.ragged_buffer_factor)
+      < dispatch_plan.worst_case_rows(shards, tokens, k, local))
 
 
 def adaptive_rung(expert_ids: jax.Array, rungs: tuple[fallback.Rung, ...], rows: int, *,

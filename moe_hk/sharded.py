@@ -14,7 +14,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 from moe_hk import casting, fallback, mesh as mesh_lib
 from moe_hk.config import MoEConfig
 from moe_hk.ragged_path import Backends, ExpertWeights
-from moe_hk.shard_layer import ShardStats, moe_shard
+from moe_hk.shard_layer import ShardStats, builds_fallback, moe_shard
 from moe_hk.stats import MoEStats
 from moe_hk.events import emit_layer_event
 
@@ -110,6 +110,7 @@ def reduce_stats(local: ShardStats, mesh: Mesh, config: MoEConfig) -> MoEStats:
       would_drop_rows=per_group(local.would_drop_rows),
       dropped_rows=per_group(local.dropped_rows),
       tokens_per_expert=jax.lax.psum(local.tokens_per_expert, all_axes),
+      nonfinite_tokens=jax.lax.psum(local.nonfinite_tokens, all_axes),
       lb_loss=jax.lax.pmean(local.lb_loss, all_axes) * config.load_balance_loss_weight,
       z_loss=jax.lax.pmean(local.z_loss, all_axes) * config.router_z_loss_weight,
       fallback_chunks=jax.lax.pmax(local.fallback_chunks, all_axes),
@@ -145,10 +146,11 @@ def moe_forward(params: MoEParams, x: jax.Array, *, config: MoEConfig, mesh: Mes
   unrolled loop and the earlier ladder to compare). `after_overflow` (bool scalar, 'step' mode
   only; `moe_hk.step_replay.overflowed` carries it from layer to layer) says that an earlier
   MoE layer of this step overflowed: this layer then runs the chunked dropless path too, and
-  its events carry attempt 1. Raises `ValueError` for a mesh or input that does not fit.
+  its events carry attempt 1. Raises `ValueError` for a mesh or input that does not fit (x
+  must be float32 or bfloat16).
   """
   mesh_lib.validate_mesh(config, mesh)
-  mesh_lib.validate_input(config, mesh, x.shape)
+  mesh_lib.validate_input(config, mesh, x.shape, x.dtype)
   step_mode = config.moe_dropless_fallback == "step"
   if after_overflow is not None and not step_mode:
     raise ValueError("after_overflow is only for moe_dropless_fallback='step', not "
@@ -175,10 +177,12 @@ def moe_forward(params: MoEParams, x: jax.Array, *, config: MoEConfig, mesh: Mes
                      out_specs=(batch, stats_specs), check_vma=backends.gmm != "megablox")
   y, stats = fn(x, after, *params)
   every_step = config.log_required_ragged_buffer_factor
-  can_fall_back = config.emit_fallback_events and config.moe_dropless_fallback != "none"
-  if step is not None and (every_step or can_fall_back):
+  can_fall_back = not force_dropless and builds_fallback(
+      config, shards=mesh.shape[config.expert_axis], tokens=x.shape[0] // mesh.size * x.shape[1])
+  if step is not None and (every_step or (can_fall_back and config.emit_fallback_events)):
     # Outside shard_map: the stats are replicated, so one callback per step and layer (two
     # when a rematerialised forward is recomputed), not one per device.
     emit_layer_event(stats, step=labels[0], layer=labels[1], shard=jax.process_index(),
-                     attempt=stats.fallback if step_mode else 0, every_step=every_step)
+                     attempt=stats.fallback if step_mode else 0, every_step=every_step,
+                     can_fall_back=can_fall_back)
   return y, stats

@@ -13,6 +13,9 @@ class MoEStats(NamedTuple):
   would_drop_rows: jax.Array    # [] int32, rows beyond the capped buffers, fallback or not.
   dropped_rows: jax.Array       # [] int32, rows actually dropped (0 after a fallback or uncapped).
   tokens_per_expert: jax.Array  # [E] int32, routed rows per expert over the whole batch.
+  # [] int32, tokens whose router logits are not all finite, over the whole batch: routed to
+  # no expert (in no count above or below: no overflow, no fallback), their output rows NaN.
+  nonfinite_tokens: jax.Array
   lb_loss: jax.Array            # [] float32, load-balance loss x load_balance_loss_weight.
   z_loss: jax.Array             # [] float32, router z-loss x router_z_loss_weight.
   # [] int32, chunks the dropless fallback ran in (0 if it did not): the count of the rung

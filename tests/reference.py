@@ -1,7 +1,7 @@
 """An independent dense MoE for tests: every expert on every token, then select.
 
 Written without the library's routing, planning or all-to-all code. `keep_mask` implements
-the DESIGN.md §3 drop order with plain loops over shards, receivers, senders and experts.
+the drop order of docs/design.md with plain loops over shards, receivers, senders and experts.
 """
 from __future__ import annotations
 

@@ -14,6 +14,8 @@ from tests import reference
 from tests.moe_inputs import dense_reference, outputs_and_grads, per_device_stats, skewed_inputs
 from tests.tree_close import assert_trees_close, relative_error
 
+# Per path, the cases share compiled steps (`_step`): each path's cases run on one worker
+# (tests/conftest.py WORKER_GROUPS).
 PATHS = pytest.mark.parametrize("ring", [False, True], ids=["all_to_all", "ring"])
 
 # 8 shards, 16 experts, top-2, factor 1.25, one 64-token row per shard: R = 160 rows and a

@@ -16,6 +16,7 @@ from jax.sharding import NamedSharding
 import moe_hk
 from launch import attention
 from moe_hk import aot, mesh as mesh_lib
+from tests.helpers import require_libtpu
 from tests.tree_close import assert_trees_close
 
 
@@ -81,7 +82,7 @@ def test_splash_form_in_interpret_mode_matches_dense_reference():
 def test_splash_form_compiles_for_v5p():
   """Value and grad of bf16 splash attention, batch sharded over a 4-chip v5p mesh, under the
   suite's 'highest' default matmul precision (which Mosaic refuses unless the form pins it)."""
-  pytest.importorskip("libtpu", reason="needs the libtpu wheel matching jax (jax[tpu])")
+  require_libtpu()
   mesh = moe_hk.make_mesh(data=2, expert=2, devices=aot.tpu_topology_devices("v5p:2x2x1"))
   sharding = NamedSharding(mesh, mesh_lib.batch_spec(mesh))
   b, s, g, r, dh = 4, 256, 2, 2, 128

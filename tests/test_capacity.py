@@ -1,8 +1,10 @@
 """Recorded traffic (`metrics.traffic`) and the capacity planner (`launch.capacity`) against
 explicit loops over steps, layers, expert groups and receivers."""
+import io
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -13,8 +15,8 @@ from absl.testing import flagsaver
 
 from launch import capacity
 from metrics.traffic import Traffic, TrafficRecorder, read_traffic
+from tests.helpers import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEVICES, EXPERTS, SHARDS, TOKENS, K, LAYERS = 8, 8, 4, 16, 2, 3
 META = dict(expert_shards=SHARDS, tokens_per_device=TOKENS, k=K)
 FACTORS = (1.0, 1.25, 1.5, 2.0, 3.0, 4.0)  # 4 is the worst case here: it never overflows
@@ -111,17 +113,35 @@ def test_recorder_rejects_bad_input(tmp_path, steps, counts, factors, message):
     TrafficRecorder(str(tmp_path), **META).append(steps, counts, factors)
 
 
+def skip_warnings(caplog) -> list[str]:
+  """The warnings logged for skipped traffic files."""
+  return [r.getMessage() for r in caplog.records
+          if r.levelname == "WARNING" and r.getMessage().startswith("Skipping traffic file")]
+
+
 @pytest.mark.parametrize("second,message", [
     (dict(tokens_per_device=32, k=1),
-     r"metadata \{'expert_shards': 4, 'tokens_per_device': 32, 'k': 1\}"),
-    (dict(layers=2), r"counts \[layers, devices, E\] \(2, 8, 8\) differ"),
-])
-def test_read_refuses_traffic_of_different_configs(tmp_path, second, message):
+     r"metadata \{'expert_shards': 4, 'tokens_per_device': 16, 'k': 2\} and counts \[layers, "
+     r"devices, E\] \(3, 8, 8\) differ from the newest file's \{'expert_shards': 4, "
+     r"'tokens_per_device': 32, 'k': 1\} \(3, 8, 8\)"),
+    (dict(layers=2), r"\(3, 8, 8\) differ from the newest file's .* \(2, 8, 8\) "
+                     r"\(traffic-000001-000000004-000000007.npz\)"),
+], ids=["metadata", "layers"])
+def test_read_skips_traffic_of_another_config(tmp_path, caplog, second, message):
   record(tmp_path, [(0, skewed_counts(0, 4), 1.0)])
   layers = second.pop("layers", LAYERS)
-  record(tmp_path, [(4, skewed_counts(0, 4, layers), 1.0)], **second)
-  with pytest.raises(ValueError, match=message):
-    read_traffic(str(tmp_path))
+  newest = skewed_counts(1, 4, layers)
+  record(tmp_path, [(4, newest, 1.0)], **second)
+  traffic = read_traffic(str(tmp_path))
+  np.testing.assert_array_equal(traffic.steps, np.arange(4, 8))
+  np.testing.assert_array_equal(traffic.counts, newest)
+  assert (traffic.tokens_per_device, traffic.k) == (second.get("tokens_per_device", TOKENS),
+                                                    second.get("k", K))
+  older = str(tmp_path / "traffic" / "traffic-000000-000000000-000000003.npz")
+  assert traffic.skipped == (older,)
+  (warning,) = skip_warnings(caplog)
+  assert warning.startswith(f"Skipping traffic file {older}: ")
+  assert re.search(message, warning), warning
 
 
 def test_read_without_traffic_says_what_to_run(tmp_path):
@@ -131,6 +151,99 @@ def test_read_without_traffic_says_what_to_run(tmp_path):
   (tmp_path / "traffic" / "traffic-000000-000000000-000000009.npz.tmp").write_bytes(b"half")
   with pytest.raises(ValueError, match="holds no recorded traffic"):
     read_traffic(str(tmp_path))
+
+
+def damage(workdir, seq: int, first: int, last: int, content: bytes) -> str:
+  """Writes `content` as the traffic file numbered `seq` of steps first..last; its path."""
+  path = workdir / "traffic" / f"traffic-{seq:06d}-{first:09d}-{last:09d}.npz"
+  path.write_bytes(content)
+  return str(path)
+
+
+@pytest.fixture(scope="module")
+def damaged(tmp_path_factory):
+  """A run's traffic of steps 0-199 in two good files, a resumed run's copy of steps 150-249
+  truncated and a file of random bytes; the workdir, the good counts and the two bad paths."""
+  workdir = tmp_path_factory.mktemp("damaged")
+  good = skewed_counts(4, 200)
+  record(workdir, [(0, good[:100], 1.0), (100, good[100:], 1.0), (150, skewed_counts(5, 100), 2.0)])
+  resumed = workdir / "traffic" / "traffic-000002-000000150-000000249.npz"
+  truncated = damage(workdir, 2, 150, 249, resumed.read_bytes()[:1000])
+  noise = damage(workdir, 3, 250, 299, np.random.default_rng(0).bytes(5000))
+  return workdir, good, (truncated, noise)
+
+
+def test_read_skips_a_truncated_and_a_random_file(damaged, caplog):
+  workdir, good, bad = damaged
+  traffic = read_traffic(str(workdir))
+  np.testing.assert_array_equal(traffic.steps, np.arange(200))
+  np.testing.assert_array_equal(traffic.counts, good)  # steps 150-199 from the readable copy
+  np.testing.assert_array_equal(traffic.factors, np.ones(200))
+  assert traffic.skipped == bad
+  assert skip_warnings(caplog) == [
+      f"Skipping traffic file {bad[0]}: truncated or corrupt zip (File is not a zip file).",
+      f"Skipping traffic file {bad[1]}: not a zip file."]
+
+
+def saved(save, *args, **kwargs) -> bytes:
+  """What `save` (np.save, np.savez, np.savez_compressed) writes to a file."""
+  f = io.BytesIO()
+  save(f, *args, **kwargs)
+  return f.getvalue()
+
+
+def flipped(content: bytes, part: bytes) -> bytes:
+  """`content` with the bits of the middle byte of its `part` inverted."""
+  at = content.index(part) + len(part) // 2
+  return content[:at] + bytes([content[at] ^ 0xFF]) + content[at + 1:]
+
+
+# The arrays of a traffic file of steps 4-7, in the format: the cases below change one thing.
+GOOD = dict(steps=np.arange(4, 8), counts=skewed_counts(6, 4), factors=np.ones(4),
+            **{name: np.int64(value) for name, value in META.items()})
+
+
+def npz(**changes: np.ndarray) -> bytes:
+  """An .npz file of GOOD with `changes`."""
+  return saved(np.savez, **{**GOOD, **changes})
+
+
+@pytest.mark.parametrize("content,reason", [
+    (b"", "not a zip file"),
+    (npz()[:-100], r"truncated or corrupt zip \(File is not a zip file\)"),
+    (flipped(npz(), GOOD["counts"].tobytes()),
+     r"truncated or corrupt zip \(Bad CRC-32 for file 'counts.npy'\)"),
+    (saved(np.save, GOOD["counts"]), "not a zip file"),
+    (npz(steps=GOOD["steps"].astype(object)), "an array is not a plain numeric .npy"),
+    (saved(np.savez, **{name: a for name, a in GOOD.items() if name not in ("counts", "k")}),
+     "no counts, k array"),
+    (npz(counts=GOOD["counts"].astype(np.int64)),
+     r"counts is int64 \(4, 3, 8, 8\), not int32 of rank 4"),
+    (npz(k=np.array([K])), r"k is int64 \(1,\), not int64 of rank 0"),
+    (npz(factors=np.ones(3)),
+     "4 steps, counts of 4 and 3 factors: need the same number, at least one"),
+    (npz(steps=GOOD["steps"][:0], counts=GOOD["counts"][:0], factors=GOOD["factors"][:0]),
+     "0 steps, counts of 0 and 0 factors"),
+], ids=["empty", "truncated", "bad_crc", "npy", "object_array", "missing_arrays", "int64_counts",
+        "k_of_rank_1", "short_factors", "no_steps"])
+def test_read_skips_a_file_that_does_not_load(tmp_path, caplog, content, reason):
+  record(tmp_path, [(0, skewed_counts(7, 4), 1.0)])
+  bad = damage(tmp_path, 1, 4, 7, content)
+  traffic = read_traffic(str(tmp_path))
+  np.testing.assert_array_equal(traffic.steps, np.arange(4))
+  assert traffic.skipped == (bad,)
+  (warning,) = skip_warnings(caplog)
+  assert re.fullmatch(f"Skipping traffic file {re.escape(bad)}: {reason}.*", warning), warning
+  assert "allow_pickle" not in warning
+
+
+def test_read_takes_the_unchanged_hand_made_file(tmp_path):
+  """The files above differ from a readable one only where their reason says."""
+  record(tmp_path, [(0, skewed_counts(7, 4), 1.0)])
+  damage(tmp_path, 1, 4, 7, npz())
+  traffic = read_traffic(str(tmp_path))
+  np.testing.assert_array_equal(traffic.steps, np.arange(8))
+  assert traffic.skipped == ()
 
 
 def brute_force(traffic: Traffic, factor: float, shards: int) -> dict:
@@ -226,7 +339,8 @@ def test_cli_json_end_to_end(run):
 def test_cli_table(run, capsys):
   run_main(f"--workdir={run[0]}", "--factors=2.2,1,1", "--expert_shards=2")
   out = capsys.readouterr().out
-  assert "300 steps (0..299), 3 MoE layers, 8 devices, E=8, T=16, K=2; expert groups of P=2" in out
+  assert out.startswith("300 steps (0..299), 3 MoE layers, 8 devices, E=8, T=16, K=2; expert "
+                        "groups of P=2 (recorded with P=4); 0 files skipped\n")
   rows = [line for line in out.splitlines() if line.startswith("| ")]
   assert rows[0].startswith("| factor | buffer rows | fallback frequency |")
   assert [row.split(" | ")[0] for row in rows[1:]] == ["| 1", "| 2.2 (run)"]
@@ -252,7 +366,35 @@ def test_cli_without_traffic_fails_in_one_line(tmp_path):
   assert f"{tmp_path}/traffic holds no recorded traffic: run" in done.stderr.splitlines()[-1]
 
 
-@pytest.mark.slow
+def test_cli_without_readable_traffic_fails_in_one_line(tmp_path, caplog):
+  # A UsageError's message is the last line of stderr and the exit status 1, without a
+  # traceback: test_cli_without_traffic_fails_in_one_line runs it.
+  (tmp_path / "traffic").mkdir()
+  bad = [damage(tmp_path, 0, 0, 9, b"PK\x03\x04 and then the end"),
+         damage(tmp_path, 1, 10, 19, np.random.default_rng(1).bytes(100))]
+  with pytest.raises(app.UsageError) as raised:
+    run_main(f"--workdir={tmp_path}")
+  assert str(raised.value) == (
+      f"{tmp_path}/traffic holds no readable traffic (2 files skipped): run `python -m "
+      f"launch.train --workdir={tmp_path}` (with config.moe.record_traffic=True, the default) "
+      "first.")
+  assert [w.split(": ")[0] for w in skip_warnings(caplog)] == [
+      f"Skipping traffic file {path}" for path in bad]
+
+
+def test_cli_skips_unreadable_files_with_a_warning_each(damaged):
+  workdir, _, bad = damaged
+  done = cli(f"--workdir={workdir}", "--factors=1,2")
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert done.stdout.startswith("200 steps (0..199), 3 MoE layers, 8 devices, E=8, T=16, K=2; "
+                                "expert groups of P=4 (recorded with P=4); 2 files skipped\n")
+  assert "Traceback" not in done.stderr and "allow_pickle" not in done.stderr
+  for path, reason in zip(bad, ("truncated or corrupt zip (File is not a zip file)",
+                                "not a zip file"), strict=True):
+    (line,) = [line for line in done.stderr.splitlines() if path in line]
+    assert line.startswith("W") and line.endswith(f"] Skipping traffic file {path}: {reason}.")
+
+
 def test_memory_per_factor_regroups_the_mesh(run, monkeypatch):
   """Each factor compiles the config with that factor and P expert shards, fsdp the rest."""
   from launch import aot

@@ -1,4 +1,5 @@
-"""`moe_hk.casting.to_bfloat16` is bit for bit `astype(bfloat16)`."""
+"""`moe_hk.casting`: `to_bfloat16` is bit for bit `astype(bfloat16)`, and `to_compute_dtype`
+rounds float32 to bfloat16 through it."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,9 +23,19 @@ def test_integer_rounding_equals_astype_bit_for_bit():
   assert np.isnan(ours[~finite].astype(np.float32)).all() and (~finite).sum() > 0
 
 
-def test_other_casts_are_astype():
-  x = jnp.arange(4, dtype=jnp.float32) / 3
-  for dtype, source in (("float32", x), ("float32", x.astype(jnp.bfloat16))):
+def test_to_compute_dtype_rounds_float32_to_bfloat16_through_integers():
+  """float32 -> bfloat16 goes through `to_bfloat16` (integer ops in the program, no convert
+  XLA could hoist) and equals `astype` bit for bit; other casts are `astype`."""
+  x = jnp.asarray(np.random.default_rng(1).normal(size=1000).astype(np.float32))
+  cast = casting.to_compute_dtype(x, jnp.bfloat16)
+  assert cast.dtype == jnp.bfloat16
+  np.testing.assert_array_equal(np.asarray(cast).view(np.uint16),
+                                np.asarray(x.astype(jnp.bfloat16)).view(np.uint16))
+  program = str(jax.make_jaxpr(lambda w: casting.to_compute_dtype(w, "bfloat16"))(x))
+  assert "bitcast_convert_type" in program and "convert_element_type" not in program.replace(
+      "convert_element_type[new_dtype=uint16", ""), program
+  for dtype, source in (("float32", x), ("float32", x.astype(jnp.bfloat16)),
+                        ("bfloat16", x.astype(jnp.bfloat16))):
     cast = casting.to_compute_dtype(source, dtype)
-    assert cast.dtype == jnp.float32
-    np.testing.assert_array_equal(cast, source.astype(jnp.float32))
+    assert cast.dtype == jnp.dtype(dtype)
+    np.testing.assert_array_equal(cast, source.astype(dtype))

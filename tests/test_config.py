@@ -43,7 +43,7 @@ def test_bad_values_name_field_value_and_range(changes, pattern):
 def test_good_values_accepted():
   for mode in ("none", "layer"):
     moe_hk.MoEConfig(**BASE, moe_dropless_fallback=mode)
-  for ring in (False, True):  # 'step' runs on both paths (DESIGN.md §10)
+  for ring in (False, True):  # 'step' runs on both paths
     moe_hk.MoEConfig(**BASE, moe_dropless_fallback="step", use_ring_of_experts=ring)
   moe_hk.MoEConfig(**BASE, ragged_buffer_factor=-1)
   moe_hk.MoEConfig(**BASE, ragged_buffer_factor=0.25)
@@ -71,14 +71,18 @@ def test_make_mesh_checks_device_count_and_axis_types():
     moe_hk.make_mesh(expert=0)
 
 
-def _forward(config, mesh, shape):
-  x = jnp.zeros(shape, jnp.float32)
-  params = moe_hk.MoEParams(
+def _params(config):
+  return moe_hk.MoEParams(
       jnp.zeros((config.emb_dim, config.num_experts)),
       jnp.zeros((config.num_experts, config.emb_dim, config.mlp_dim)),
       jnp.zeros((config.num_experts, config.emb_dim, config.mlp_dim)),
       jnp.zeros((config.num_experts, config.mlp_dim, config.emb_dim)))
-  return jax.jit(functools.partial(moe_hk.moe_forward, config=config, mesh=mesh))(params, x)
+
+
+def _forward(config, mesh, shape):
+  x = jnp.zeros(shape, jnp.float32)
+  return jax.jit(functools.partial(moe_hk.moe_forward, config=config, mesh=mesh))(
+      _params(config), x)
 
 
 @pytest.mark.parametrize("mesh_args,config_changes,shape,pattern", [
@@ -113,6 +117,44 @@ def test_bare_layer_checks_its_mesh_before_creating_parameters(mesh, changes, pa
   model = hk.transform_with_state(lambda x: moe_hk.MoELayer(config, mesh, name="moe")(x))
   with pytest.raises(ValueError, match=pattern):
     model.init(jax.random.key(0), jnp.zeros((8, 4, 16)))
+
+
+def test_dropless_fallback_is_the_default():
+  assert moe_hk.MoEConfig(**BASE).moe_dropless_fallback == "layer"
+
+
+def _jaxpr(config, factor, **kw):
+  """The layer's program with `ragged_buffer_factor=factor`, events on (a step is given)."""
+  config = config.replace(ragged_buffer_factor=factor)
+  layer = functools.partial(moe_hk.moe_forward, config=config,
+                            mesh=moe_hk.make_mesh(data=2, expert=4), step=0, **kw)
+  return str(jax.make_jaxpr(layer)(_params(config), jnp.zeros((8, 4, 16))))
+
+
+def test_worst_case_buffer_builds_no_fallback():
+  """The default fallback costs nothing with the worst-case buffer: no overflow check, no
+  cond (the layer's events included) is built; a capped buffer builds them."""
+  config = moe_hk.MoEConfig(**BASE)
+  assert "cond[" not in _jaxpr(config, -1)
+  assert "cond[" not in _jaxpr(config, 100.0)  # above the worst case: the worst case
+  assert "cond[" not in _jaxpr(config, 1.0, force_dropless=True)
+  assert "cond[" in _jaxpr(config, 1.0)  # the check can fail
+
+
+@pytest.mark.parametrize("dtype", [jnp.int32, jnp.int8, jnp.uint8, jnp.bool_])
+@pytest.mark.parametrize("haiku", [False, True], ids=["moe_forward", "MoELayer"])
+def test_non_float_input_is_refused(dtype, haiku):
+  """One line naming the dtype (called outside jit: jit appends its traceback note)."""
+  config, mesh = moe_hk.MoEConfig(**BASE), moe_hk.make_mesh(data=2, expert=4)
+  x = jnp.zeros((8, 4, 16), dtype)
+  name = jnp.dtype(dtype).name
+  with pytest.raises(ValueError, match=rf"^MoE input dtype {name} is not supported: the layer "
+                                       r"takes float32 or bfloat16 input only\.$"):
+    if haiku:
+      model = hk.transform_with_state(lambda x: moe_hk.MoELayer(config, mesh, name="moe")(x))
+      model.init(jax.random.key(0), x)
+    else:
+      moe_hk.moe_forward(_params(config), x, config=config, mesh=mesh)
 
 
 def test_native_all_to_all_refused_on_cpu():

@@ -27,20 +27,26 @@ def _layer(config, mesh, **kw):
   return functools.partial(moe_hk.moe_forward, config=config, mesh=mesh, **kw)
 
 
-# (case, path, chunking, grouped matmul): every case, both chunkings on both paths, with the
-# CPU backend; the megablox kernels (interpreted, slow) on two cases, adaptive on the
-# all-to-all and fixed (with step mode) on the ring.
-_VARIANTS = [(False, "fixed"), (False, "adaptive"), (True, "fixed"), (True, "adaptive")]
+# (case, path, chunking, grouped matmul, extras): every case on both paths with fixed chunking
+# and the CPU backend; adaptive chunking on one case per path (tests/test_adaptive_fallback.py
+# is its subject); the megablox kernels (interpreted, slow) on two cases; `force_dropless` and
+# the step mode's layer on one case each (tests/test_step_replay.py covers step mode on both
+# paths).
+_EXTRAS = {(OVERFLOW[0], False, "fixed"): ("force_dropless",),
+           (OVERFLOW[3], True, "fixed"): ("step",)}
 FALLBACK_CASES = [
-    pytest.param(*case, ring, chunking, gmm, id="-".join(
-        [*map(str, case), "ring" if ring else "all_to_all", chunking, gmm]))
+    pytest.param(*case, ring, chunking, gmm, _EXTRAS.get((case, ring, chunking), ()) if
+                 gmm == "blocked" else (), id="-".join(
+                     [*map(str, case), "ring" if ring else "all_to_all", chunking, gmm]))
     for case, ring, chunking, gmm in
-    [(case, ring, chunking, "blocked") for case in OVERFLOW for ring, chunking in _VARIANTS]
-    + [(OVERFLOW[0], False, "adaptive", "megablox"), (OVERFLOW[3], True, "fixed", "megablox")]]
+    [(case, ring, "fixed", "blocked") for case in OVERFLOW for ring in (False, True)]
+    + [(OVERFLOW[1], False, "adaptive", "blocked"), (OVERFLOW[2], True, "adaptive", "blocked"),
+       (OVERFLOW[0], False, "adaptive", "megablox"), (OVERFLOW[3], True, "fixed", "megablox")]]
 
 
-@pytest.mark.parametrize("shards,experts,k,factor,seq,ring,chunking,gmm", FALLBACK_CASES)
-def test_layer_fallback_equals_dropless(ring, shards, experts, k, factor, seq, chunking, gmm):
+@pytest.mark.parametrize("shards,experts,k,factor,seq,ring,chunking,gmm,extras", FALLBACK_CASES)
+def test_layer_fallback_equals_dropless(ring, shards, experts, k, factor, seq, chunking, gmm,
+                                        extras):
   mesh = moe_hk.make_mesh(data=NUM_DEVICES // shards, expert=shards)
   config = _config(experts, k, factor, use_ring_of_experts=ring, moe_dropless_fallback="layer",
                    dropless_fallback_chunking=chunking, gmm_impl=gmm)
@@ -61,14 +67,12 @@ def test_layer_fallback_equals_dropless(ring, shards, experts, k, factor, seq, c
   assert relative_error(y_cap, y_ref) > 1e-2
   assert relative_error(grads_cap[0].wo, grads_ref[0].wo) > 1e-2
 
-  if chunking == "adaptive":
-    return  # the rest does not depend on the chunking
-  # force_dropless (worst-case buffer) and the step mode's layer are dropless too.
-  y_force, stats_force, _ = run(_layer(config.replace(moe_dropless_fallback="none"), mesh,
-                                       force_dropless=True))
-  assert int(stats_force.dropped_rows) == 0 and int(stats_force.would_drop_rows) > 0
-  assert_trees_close(y_force, y_ref, what="force_dropless y")
-  if ring:
+  if "force_dropless" in extras:  # the worst-case buffer: dropless without a fallback
+    y_force, stats_force, _ = run(_layer(config.replace(moe_dropless_fallback="none"), mesh,
+                                         force_dropless=True))
+    assert int(stats_force.dropped_rows) == 0 and int(stats_force.would_drop_rows) > 0
+    assert_trees_close(y_force, y_ref, what="force_dropless y")
+  if "step" in extras:
     step_config = config.replace(moe_dropless_fallback="step")
     y_step, stats_step, grads_step = run(_layer(step_config, mesh))
     assert int(stats_step.fallback) == 1 and int(stats_step.dropped_rows) == 0
@@ -78,8 +82,10 @@ def test_layer_fallback_equals_dropless(ring, shards, experts, k, factor, seq, c
 
 @pytest.mark.parametrize("ring", [False, True], ids=["all_to_all", "ring"])
 def test_no_overflow_equals_model_without_fallback(ring):
+  """Fixed chunking (adaptive's no-overflow case: tests/test_adaptive_fallback.py)."""
   mesh = moe_hk.make_mesh(data=2, expert=4)
-  config = _config(8, 2, 2.0, use_ring_of_experts=ring, moe_dropless_fallback="layer")
+  config = _config(8, 2, 2.0, use_ring_of_experts=ring, moe_dropless_fallback="layer",
+                   dropless_fallback_chunking="fixed")
   params, x = skewed_inputs(config, BATCH, 16, skew=0.0, seed=11)  # balanced routing
   cot = jax.random.normal(jax.random.key(4), x.shape)
   run = lambda fn: jax.jit(functools.partial(outputs_and_grads, fn))(params, x, cot)
@@ -94,9 +100,11 @@ def test_no_overflow_equals_model_without_fallback(ring):
 @pytest.mark.parametrize("ring", [False, True], ids=["all_to_all", "ring"])
 def test_asymmetric_overflow_sets_flag_on_every_device(ring):
   """Only two devices' tokens are skewed, so only one expert group overflows; every device
-  must take the fallback branch all the same."""
+  must take the fallback branch all the same. Fixed chunking (adaptive's asymmetric case:
+  tests/test_adaptive_fallback.py)."""
   mesh = moe_hk.make_mesh(data=2, expert=4)
-  config = _config(8, 2, 2.0, use_ring_of_experts=ring, moe_dropless_fallback="layer")
+  config = _config(8, 2, 2.0, use_ring_of_experts=ring, moe_dropless_fallback="layer",
+                   dropless_fallback_chunking="fixed")
   params, x = skewed_inputs(config, BATCH, 16, skew=6.0, seed=5, hot_rows=slice(0, 4))
   y, seen = per_device_stats(config, mesh, params, x, ("fallback", "would_drop_rows"))
   flags, would_drop = seen["fallback"], seen["would_drop_rows"]
@@ -123,7 +131,8 @@ def test_chunk_rule():
 
 
 def test_infeasible_fallback_is_an_error_not_a_silent_drop():
-  """DESIGN.md's example: 8 shards, top-1, 8 experts, 16 tokens per shard, factor 0.25."""
+  """8 shards, top-1, 8 experts, 16 tokens per shard, factor 0.25: 32 chunks of a 16-long
+  sequence would be needed."""
   with pytest.raises(ValueError, match=r"holds 4 rows.* need 8 .* 2 x 16 chunks"):
     fallback.fallback_num_chunks(batch=1, seq=16, k=1, shards=8, local_experts=1, rows=4)
   mesh = moe_hk.make_mesh(expert=8)

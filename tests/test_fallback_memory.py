@@ -1,4 +1,4 @@
-"""Compiler-measured memory of the fallback (DESIGN.md §5), on a CPU mesh and a v5p topology.
+"""Compiler-measured memory of the fallback (docs/design.md), on a CPU mesh and a v5p topology.
 
 One layer where token buffers dominate (8 shards, top-2, 8 experts, 64 x 512 tokens, emb 1024,
 MLP 2048, factor 2): a value-and-grad step with the fallback must stay within 1.10 x the capped
@@ -10,6 +10,10 @@ import pytest
 
 from benchmarks import fallback_memory
 from moe_hk import aot
+from tests.helpers import require_libtpu
+
+# One worker compiles each platform's variants once for all the module's tests
+# (tests/conftest.py WORKER_GROUPS).
 
 PLATFORMS = ["cpu", "tpu"]
 # The library's modes: the fixed scan fallback, and adaptive chunking (a switch over the
@@ -20,7 +24,7 @@ FALLBACKS = ["fallback_scan", "fallback_adaptive"]
 @functools.lru_cache(maxsize=None)
 def _mib(platform: str) -> dict:
   if platform == "tpu":
-    pytest.importorskip("libtpu", reason="needs the libtpu wheel matching jax (jax[tpu])")
+    require_libtpu()
   return {v: aot.total_memory_bytes(fallback_memory.compile_step(v, platform, layers=0)) / 2**20
           for v in ("worst_case", "capped", "fallback_unrolled", *FALLBACKS)}
 

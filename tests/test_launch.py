@@ -1,58 +1,94 @@
 """The launcher end to end: training, metrics and alerts, resume, SIGTERM, step replay, bf16,
 two processes over gloo, and clear errors for bad flags and configs."""
+import contextlib
 import dataclasses
+import glob
+import io
 import json
 import os
+import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import sysconfig
 import time
+from typing import NamedTuple
 
 import jax
 import numpy as np
 import pytest
 
 import moe_hk
-from launch import capacity, model, trainer
-from launch.configs import tiny
-from launch.steps import make_steps
+from launch import capacity, model, overrides, trainer
+from launch.errors import UserError
 from metrics import traffic
-from tests.test_metrics_tensorboard import read_images, read_scalars
+from metrics.event_files import read_histograms, read_images, read_scalars
+from tests.helpers import ROOT, TINY, cached_make_steps, free_port, tiny_config
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = "launch/configs/tiny.py"
+# Every test here shares one worker's step cache and the baseline run (tests/conftest.py
+# WORKER_GROUPS).
+
+# The untrained router of the tiny config needs buffer factors of 2.1-3.3: at 2.25 some steps
+# fall back and some do not. The float32 baseline every comparison below is made against.
+FACTOR = 2.25
 
 
-def tiny_config(**overrides):
-  c = tiny.get_config()
-  c.update(overrides)
+@pytest.fixture(autouse=True)
+def shared_steps(monkeypatch):
+  """Runs of one config reuse its compiled steps (as one long run would): the trainer's
+  `make_steps` memoised for the whole module."""
+  monkeypatch.setattr(trainer, "make_steps", _STEPS)
+
+
+_STEPS = cached_make_steps(trainer.make_steps)
+
+
+def run_config(**overrides):
+  """The tiny config at FACTOR with the 'layer' fallback; top-level fields replaced."""
+  c = tiny_config(**overrides)
+  c.moe.ragged_buffer_factor = FACTOR
+  c.moe.moe_dropless_fallback = "layer"
   return c
+
+
+class Baseline(NamedTuple):
+  workdir: str
+  losses: list[float]
+  console: str  # what the run printed
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory) -> Baseline:
+  """The 8-step float32 run of `run_config()`."""
+  workdir = str(tmp_path_factory.mktemp("baseline"))
+  printed = io.StringIO()
+  with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(printed):
+    patch.setattr(trainer, "make_steps", _STEPS)
+    losses = trainer.train_and_evaluate(run_config(), workdir)
+  return Baseline(workdir, losses, printed.getvalue())
 
 
 def launch(workdir, *flags, devices=8, env=None):
   """`python -m launch.train` on the tiny config as a subprocess (not waited for)."""
+  xla_flags = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
+                       if not f.startswith("--xla_force_host_platform_device_count"))
   env = dict(os.environ, **(env or {}),
-             XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+             XLA_FLAGS=f"{xla_flags} --xla_force_host_platform_device_count={devices}")
   return subprocess.Popen(
       [sys.executable, "-m", "launch.train", f"--workdir={workdir}", f"--config={TINY}", *flags],
       cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 @pytest.mark.slow
-def test_overflowing_run_trains_logs_alerts_records_and_checkpoints(tmp_path):
-  """The untrained router of the tiny config needs buffer factors of 2.1-3.3: at 2.25 some
-  steps fall back and some do not. The run writes every tag at every step, alerts where the
-  traffic overflowed, records its traffic, and the planner replaying that traffic at 2.25
-  predicts exactly the steps whose fallback ran."""
-  c = tiny_config()
-  c.moe.ragged_buffer_factor = 2.25
-  losses = trainer.train_and_evaluate(c, str(tmp_path))
+def test_overflowing_run_trains_logs_alerts_records_and_checkpoints(baseline):
+  """At FACTOR some steps fall back and some do not. The run writes every tag at every step,
+  alerts where the traffic overflowed, records its traffic, and the planner replaying that
+  traffic at FACTOR predicts exactly the steps whose fallback ran."""
+  workdir, losses, _ = baseline
   assert len(losses) == 8 and all(np.isfinite(losses))
   assert np.mean(losses[-3:]) < np.mean(losses[:3]), losses
-  scalars = read_scalars(str(tmp_path))
+  scalars = read_scalars(workdir)
   for tag in ("train/loss", "train/learning_rate", "train/grad_norm", "train/tokens_per_second",
               "eval/loss", "moe/required_ragged_buffer_factor/layer_0", "moe/fallback_frequency",
               "moe/load_max_over_mean/layer_0", "moe/dead_experts/layer_0",
@@ -64,33 +100,48 @@ def test_overflowing_run_trains_logs_alerts_records_and_checkpoints(tmp_path):
   np.testing.assert_allclose([scalars["train/loss"][s] for s in range(8)], losses, rtol=1e-6)
   fallbacks = [scalars["learning/moe_dropless_fallback_layers"][s] for s in range(8)]
   required = [scalars["moe/required_ragged_buffer_factor"][s] for s in range(8)]
-  assert [f > 0 for f in fallbacks] == [r > 2.25 for r in required]
+  assert [f > 0 for f in fallbacks] == [r > FACTOR for r in required]
   assert 0 < sum(fallbacks) < 8, fallbacks  # the checks below can tell steps apart
   chunks = [scalars["moe/fallback_chunks/layer_0"][s] for s in range(8)]
   assert [n > 0 for n in chunks] == [f > 0 for f in fallbacks]
-  assert all(v == 2.25 for v in scalars["moe/ragged_buffer_factor"].values())
-  assert 0 < scalars["moe/router_entropy/layer_0"][0] <= np.log(8) + 1e-6
-  assert scalars["moe/load_max_over_mean/layer_0"][0] >= 1.0
-  images = read_images(str(tmp_path))["moe/expert_load"]
+  assert all(v == FACTOR for v in scalars["moe/ragged_buffer_factor"].values())
+  # The load tags of every step equal what the recorded traffic (another route from the same
+  # stats) says of that step's rows per expert.
+  recorded = traffic.read_traffic(workdir)
+  assert list(recorded.steps) == list(range(8))
+  for layer in range(recorded.counts.shape[1]):
+    per_expert = recorded.counts[:, layer].sum(axis=1)  # [steps, E]
+    np.testing.assert_allclose(
+        [scalars[f"moe/load_max_over_mean/layer_{layer}"][s] for s in range(8)],
+        per_expert.max(axis=1) / per_expert.mean(axis=1), rtol=1e-6)
+    np.testing.assert_array_equal(
+        [scalars[f"moe/dead_experts/layer_{layer}"][s] for s in range(8)],
+        (per_expert == 0).sum(axis=1))
+    buckets = read_histograms(workdir)[f"moe/tokens_per_expert/layer_{layer}"]
+    np.testing.assert_array_equal([buckets[s][-1, 1] for s in range(8)], per_expert.max(axis=1))
+  # An untrained router is close to uniform over 8 experts: its entropy is just below log 8
+  # (a sign, base or normalisation error lands outside), and it moves as the router trains.
+  entropy = [scalars["moe/router_entropy/layer_0"][s] for s in range(8)]
+  assert all(np.log(8) - 0.5 < h < np.log(8) for h in entropy), entropy
+  assert len(set(entropy)) > 1, entropy
+  images = read_images(workdir)["moe/expert_load"]
   # One per fetch: log_every=10 > 8 steps, so at the first checkpoint (step 1), at the eval
   # and checkpoint after step 4, and at the end.
   assert sorted(images) == [0, 3, 7]
-  with open(tmp_path / "alerts.jsonl") as f:
+  with open(os.path.join(workdir, "alerts.jsonl")) as f:
     alerts = [json.loads(line) for line in f]
   assert {"fallback_ran", "frequent_fallback"} <= {a["rule"] for a in alerts}
   first = next(a for a in alerts if a["rule"] == "fallback_ran")
   assert first["step"] == fallbacks.index(1.0) and first["layers"] == [0]
-  assert first["recommended_ragged_buffer_factor"] > 2.25
+  assert first["recommended_ragged_buffer_factor"] > FACTOR
   # Raised from the layer's fallback event, it names where the traffic overflowed.
   [where] = first["hotspots"]
   assert where["layer"] == 0 and where["receivers"] and len(where["hot_experts"]) == 3
   assert set(where["receivers"]) <= set(range(8)) and set(where["hot_experts"]) <= set(range(8))
   assert "layer 0: expert shards" in first["message"]
-  assert sorted(os.listdir(tmp_path / "checkpoints"))[-1] == "8"
+  assert sorted(os.listdir(os.path.join(workdir, "checkpoints")))[-1] == "8"
   # The planner on the recorded traffic.
-  recorded = traffic.read_traffic(str(tmp_path))
-  assert list(recorded.steps) == list(range(8))
-  [at_run] = capacity.plan(recorded, [2.25])
+  [at_run] = capacity.plan(recorded, [FACTOR])
   assert at_run["fallback_frequency"] == pytest.approx(np.mean([f > 0 for f in fallbacks]))
   assert at_run["overflowing_layers_mean"] == pytest.approx(np.mean(fallbacks))
 
@@ -109,7 +160,7 @@ def test_resumed_run_matches_uninterrupted_run(tmp_path):
   iterator of a `files` corpus and the MoE metrics' trailing window: the losses and the
   window's figures equal the uninterrupted run's."""
   def config():
-    c = tiny_config()
+    c = run_config()
     c.data.source, c.data.pattern = "files", pattern
     return c
   pattern = _text_corpus(tmp_path / "corpus")
@@ -128,33 +179,34 @@ def test_resumed_run_matches_uninterrupted_run(tmp_path):
 
 
 @pytest.mark.slow
-def test_step_replay_mode_matches_layer_fallback(tmp_path):
+def test_step_replay_mode_matches_layer_fallback(baseline, tmp_path):
   """All-to-all path (the ring's is tested at the layer, tests/test_step_replay.py): the step
   that replays itself dropless when it overflowed, its state donated, gives the loss curve of
   the in-layer fallback (both are the dropless model), a step is replayed exactly when the
   layer run fell back at that step, and the capped model without a fallback ('none') differs."""
   def mode(name, **overrides):
-    c = tiny_config(train_steps=4, **overrides)
+    c = run_config(**overrides)
     c.moe.moe_dropless_fallback = name
     return c
-  layer = trainer.train_and_evaluate(mode("layer"), str(tmp_path / "layer"))
+  layer_dir, layer, _ = baseline
   replayed = trainer.train_and_evaluate(mode("step"), str(tmp_path / "step"))
   # The 'none' run also shows `moe_metrics=False`: training scalars only, nothing of the MoE's.
   capped = trainer.train_and_evaluate(mode("none", moe_metrics=False), str(tmp_path / "none"))
   quiet = read_scalars(str(tmp_path / "none"))
-  np.testing.assert_allclose([quiet["train/loss"][s] for s in range(4)], capped, rtol=1e-6)
+  np.testing.assert_allclose([quiet["train/loss"][s] for s in range(8)], capped, rtol=1e-6)
   assert not [t for t in quiet if t.startswith(("moe/", "learning/moe"))], sorted(quiet)
   assert not os.path.exists(tmp_path / "none" / "alerts.jsonl")
   np.testing.assert_allclose(replayed, layer, rtol=1e-5)
   assert np.max(np.abs(np.subtract(capped, layer))) > 1e-3
-  fell_back = read_scalars(str(tmp_path / "layer"))["learning/moe_dropless_fallback_layers"]
+  fell_back = read_scalars(layer_dir)["learning/moe_dropless_fallback_layers"]
   total = read_scalars(str(tmp_path / "step"))["moe/step_replays"]  # a running count
-  per_step = np.diff([0] + [total[s] for s in range(4)])
-  np.testing.assert_array_equal(per_step, [fell_back[s] > 0 for s in range(4)])
+  per_step = np.diff([0] + [total[s] for s in range(8)])
+  np.testing.assert_array_equal(per_step, [fell_back[s] > 0 for s in range(8)])
   assert per_step.sum() >= 1
-  # One compiled step, its train state donated (no second copy of params and Adam state).
+  # One compiled step (the run's own), its train state donated (no second copy of params and
+  # Adam state).
   config = mode("step")
-  steps = make_steps(config, moe_hk.make_mesh(**config.mesh))
+  steps = _STEPS(config, moe_hk.make_mesh(**config.mesh))
   state = steps.init(jax.random.key(0))
   batch = jax.device_put(np.zeros((config.data.batch_size, config.data.seq_len + 1), np.int32),
                          steps.batch_sharding)
@@ -164,12 +216,11 @@ def test_step_replay_mode_matches_layer_fallback(tmp_path):
 
 
 @pytest.mark.slow
-def test_bfloat16_compute_tracks_float32(tmp_path):
-  """bf16 matmuls (params float32) follow the float32 loss curve within 2e-3 at every step
-  (measured: within 4e-4 on both Pythons), and really compute in bf16 (the curves differ)."""
-  f32 = trainer.train_and_evaluate(tiny_config(train_steps=6), str(tmp_path / "f32"))
-  bf16 = trainer.train_and_evaluate(tiny_config(train_steps=6, dtype="bfloat16"),
-                                    str(tmp_path / "bf16"))
+def test_bfloat16_compute_tracks_float32(baseline, tmp_path):
+  """bf16 matmuls (params float32) follow the float32 loss curve within 2e-3 at every step,
+  and really compute in bf16 (the curves differ)."""
+  f32 = baseline.losses
+  bf16 = trainer.train_and_evaluate(run_config(dtype="bfloat16"), str(tmp_path / "bf16"))
   np.testing.assert_allclose(bf16, f32, rtol=2e-3)
   assert np.max(np.abs(np.subtract(bf16, f32))) > 0
 
@@ -199,47 +250,63 @@ def test_sigterm_checkpoints_the_current_step_and_the_run_resumes(tmp_path):
                              straight[:saved], rtol=1e-6)
 
 
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
 @pytest.mark.slow
-def test_two_processes_over_gloo_match_one_process(tmp_path):
+def test_two_processes_over_gloo_match_one_process(baseline, tmp_path):
   """2 processes x 4 CPU devices on loopback (jax.distributed, gloo collectives) train the
-  same 8-device mesh as one process and give the same losses."""
-  port = _free_port()
+  same 8-device mesh as one process and give the same losses. Three steps: the learning rate
+  of steps 0 and 1 is the warmup's whatever train_steps is, so the first three losses are the
+  8-step baseline's."""
+  port = free_port()
   procs = [launch(tmp_path / "two", "--config.train_steps=3", f"--process_id={i}",
-                  "--num_processes=2", f"--coordinator_address=127.0.0.1:{port}", devices=4)
+                  f"--config.moe.ragged_buffer_factor={FACTOR}", "--num_processes=2",
+                  f"--coordinator_address=127.0.0.1:{port}", devices=4)
            for i in range(2)]
   for p in procs:
     _, stderr = p.communicate(timeout=600)
     assert p.returncode == 0, stderr[-3000:]
-  one = trainer.train_and_evaluate(tiny_config(train_steps=3), str(tmp_path / "one"))
   two = read_scalars(str(tmp_path / "two"))["train/loss"]
-  np.testing.assert_allclose([two[s] for s in range(3)], one, rtol=1e-5)
+  np.testing.assert_allclose([two[s] for s in range(3)], baseline.losses[:3], rtol=1e-5)
   assert sorted(os.listdir(tmp_path / "two" / "checkpoints"))[-1] == "3"
+
+
+# Bad values: the message each check gives, in this process (the two command-line cases below
+# prove the exit status and the one-line form).
+@pytest.mark.parametrize("key,value,message", [
+    ("moe.num_experts", 12, "config.moe.num_experts=12 must be divisible by "
+                            "config.mesh.expert=8"),
+    ("moe.ragged_buffer_factor", 0.0, "MoEConfig.ragged_buffer_factor=0.0 is invalid"),
+    ("data.batch_size", 12, "config.data.batch_size=12 must be divisible by the 8"),
+    ("attention_block", 5, "config.attention_block=5 must be 0 (whole sequence) or a "
+                           "divisor of config.data.seq_len=32"),
+    ("num_layers", 3, "config.moe_every=2 must divide config.num_layers=3"),
+    ("moe.moe_dropless_fallback", "always", "MoEConfig.moe_dropless_fallback='always' "
+                                            "is invalid: must be one of 'none', 'layer', "
+                                            "'step'"),
+    ("moe.expert_axis", "model", "config.moe.expert_axis='model' must be one of the "
+                                 "mesh axes data, fsdp, expert"),
+])
+def test_bad_config_value_names_field_value_and_range(key, value, message):
+  c = tiny_config()
+  c.update_from_flattened_dict({key: value})
+  with pytest.raises(ValueError) as error:
+    trainer.validate(c)
+  assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_unknown_key_names_the_closest_keys():
+  """(`--num_processes` without its two partners: tests/test_distributed.py.)"""
+  message = overrides.unknown_override(["--config.moe.expert_axes=data"], tiny_config())
+  assert message.startswith("--config.moe.expert_axes: no such config key (closest: "
+                            "config.moe.expert_axis, "), message
 
 
 @pytest.mark.parametrize("flag,message", [
     ("--config.moe.num_experts=12", "config.moe.num_experts=12 must be divisible by "
                                     "config.mesh.expert=8"),
-    ("--config.moe.ragged_buffer_factor=0", "MoEConfig.ragged_buffer_factor=0.0 is invalid"),
-    ("--config.data.batch_size=12", "config.data.batch_size=12 must be divisible by the 8"),
-    ("--config.attention_block=5", "config.attention_block=5 must be 0 (whole sequence) or a "
-                                   "divisor of config.data.seq_len=32"),
-    ("--config.num_layers=3", "config.moe_every=2 must divide config.num_layers=3"),
-    ("--config.moe.moe_dropless_fallback=always", "MoEConfig.moe_dropless_fallback='always' "
-                                                  "is invalid: must be one of 'none', 'layer', "
-                                                  "'step'"),
     ("--config.moe.dropless_fallback=layer", "--config.moe.dropless_fallback: no such config "
                                              "key (closest: config.moe.moe_dropless_fallback"),
-    ("--config.moe.expert_axis=model", "config.moe.expert_axis='model' must be one of the "
-                                       "mesh axes data, fsdp, expert"),
-    ("--num_processes=2", "need --coordinator_address, --num_processes and --process_id"),
 ])
-def test_bad_config_gives_a_short_clear_error(tmp_path, flag, message):
+def test_bad_config_on_the_command_line_is_a_short_clear_error(tmp_path, flag, message):
   proc = launch(tmp_path, flag)
   _, stderr = proc.communicate(timeout=300)
   assert proc.returncode != 0
@@ -298,3 +365,174 @@ def test_autopilot_lowers_the_factor_drops_nothing_and_resumes_with_it(tmp_path)
   assert changes[0]["details"]["reason"] == "lower"
 
 
+
+
+def test_console_reports_compile_progress_and_a_summary(baseline):
+  """The operator's lines: compiling and its time, one progress line per fetch (loss, speed,
+  what the MoE layers did, the factor, an ETA), and the summary with where things are."""
+  lines = baseline.console.splitlines()
+  assert lines[0] == "compiling the train step (it runs once compiled) ..."
+  assert re.fullmatch(r"first step: \d+\.\d s \(compilation included\)", lines[1]), lines[1]
+  progress = [line for line in lines if line.startswith("step ")]
+  # One per fetch: after steps 1, 4 and 8 (checkpoints, eval, the end; log_every=10).
+  assert [line.split(" | ")[0] for line in progress] == ["step 1/8", "step 4/8", "step 8/8"]
+  fell_back = read_scalars(baseline.workdir)["learning/moe_dropless_fallback_layers"]
+  for line, steps in zip(progress, ([0], [1, 2, 3], [4, 5, 6, 7])):
+    fields = line.split(" | ")
+    assert fields[1] == f"loss {baseline.losses[steps[-1]]:.4g}", line
+    assert re.fullmatch(r"[\d.]+k? tok/s", fields[2]) and fields[3].endswith(" s/step"), line
+    assert fields[4] == f"fallback {sum(fell_back[s] > 0 for s in steps)}/{len(steps)} steps"
+    assert fields[5] == "factor 2.25" and re.fullmatch(r"ETA \d+:\d\d:\d\d", fields[6]), line
+  assert progress[-1].endswith("ETA 0:00:00")
+  done, where = lines[-2:]
+  total = sum(fell_back[s] > 0 for s in range(8))
+  assert re.fullmatch(rf"done: steps 0-7 in \d+:\d\d:\d\d \| loss {baseline.losses[-1]:.4g} "
+                      rf"\(eval [\d.]+\) \| fallback in {total}/8 steps \| dropped 0 rows \| "
+                      r"skipped 0 non-finite steps", done), done
+  with open(os.path.join(baseline.workdir, "alerts.jsonl")) as f:
+    alerts = len(f.readlines())
+  assert where == (f"alerts: {alerts} new in {baseline.workdir}/alerts.jsonl | TensorBoard: "
+                   f"tensorboard --logdir {baseline.workdir} | checkpoints: "
+                   f"{baseline.workdir}/checkpoints (step 8)")
+
+
+def test_rerun_of_a_finished_run_says_so_and_changes_nothing(baseline, capsys):
+  before = sorted(os.listdir(baseline.workdir))
+  assert trainer.train_and_evaluate(run_config(), baseline.workdir) == []
+  assert capsys.readouterr().out == (
+      f"{baseline.workdir} is at step 8, config.train_steps=8: nothing to train. To train "
+      "longer, rerun with --config.train_steps=N, N > 8.\n")
+  assert sorted(os.listdir(baseline.workdir)) == before
+
+
+@pytest.mark.parametrize("where", ["file", "proc"])
+def test_unwritable_workdir_is_a_user_error_before_compiling(tmp_path, where):
+  workdir = {"file": tmp_path / "a_file", "proc": "/proc/moe-hk"}[where]
+  if where == "file":
+    workdir.write_text("")
+  with pytest.raises(UserError, match=rf"workdir '{workdir}' cannot be created or written "
+                                      r"\(.+\): pass a folder this user can write\.$"):
+    trainer.train_and_evaluate(tiny_config(), str(workdir))
+
+
+def test_data_that_does_not_match_is_a_user_error_before_compiling(tmp_path):
+  c = tiny_config()
+  c.data.source, c.data.pattern = "files", str(tmp_path / "*.txt")
+  with pytest.raises(UserError, match=r"matches no file"):
+    trainer.train_and_evaluate(c, str(tmp_path / "run"))
+  assert not os.path.exists(tmp_path / "run" / "checkpoints")
+
+
+def _array_files(checkpoint: str) -> list[str]:
+  """The train state's data files of one checkpoint folder, largest first."""
+  files = [f for f in glob.glob(os.path.join(checkpoint, "state", "**"), recursive=True)
+           if os.path.isfile(f) and "/d/" in f]
+  return sorted(files, key=os.path.getsize, reverse=True)
+
+
+def _truncate(path: str) -> None:
+  with open(path, "r+b") as f:
+    f.truncate(os.path.getsize(path) // 2)
+
+
+@pytest.mark.slow
+def test_unreadable_checkpoints_are_moved_aside_and_the_run_resumes(baseline, tmp_path, caplog):
+  """Checkpoints 1, 4 and 6; 6 gets a truncated array file and 4 garbage for its data
+  iterator's JSON. With 1 unreadable too, the run stops in one line naming the folder and
+  moves nothing; with 1 intact, 6 and 4 are moved to corrupt-<step> with a warning each and
+  the run resumes from step 1, reproducing the uninterrupted run (losses, MoE window)."""
+  workdir = str(tmp_path / "run")
+  checkpoints = os.path.join(workdir, "checkpoints")
+  trainer.train_and_evaluate(run_config(), workdir, stop_after=6)
+  assert sorted(os.listdir(checkpoints)) == ["1", "4", "6"]
+  shutil.copytree(os.path.join(checkpoints, "1"), tmp_path / "backup-1")
+  _truncate(_array_files(os.path.join(checkpoints, "6"))[0])
+  with open(os.path.join(checkpoints, "4", "data", "metadata"), "w") as f:
+    f.write("{not json")
+  _truncate(_array_files(os.path.join(checkpoints, "1"))[0])
+  with pytest.raises(UserError, match=rf"no checkpoint in {checkpoints} reads \(step 6: .*; "
+                                      r"step 4: .*; step 1: .*\): move the folder away"):
+    trainer.train_and_evaluate(run_config(), workdir)
+  assert sorted(os.listdir(checkpoints)) == ["1", "4", "6"]
+
+  shutil.rmtree(os.path.join(checkpoints, "1"))
+  shutil.copytree(tmp_path / "backup-1", os.path.join(checkpoints, "1"))
+  caplog.set_level("WARNING")
+  rest = trainer.train_and_evaluate(run_config(), workdir)
+  assert sorted(os.listdir(checkpoints)) == ["1", "4", "8", "corrupt-4", "corrupt-6"]
+  moved = [r.getMessage() for r in caplog.records if "does not read" in r.getMessage()]
+  assert [m.split(" (")[0] for m in moved] == ["checkpoint 6 does not read",
+                                               "checkpoint 4 does not read"], moved
+  np.testing.assert_allclose(rest, baseline.losses[1:], rtol=1e-6)
+  a, b = read_scalars(baseline.workdir), read_scalars(workdir)
+  for tag in ("moe/fallback_frequency", "moe/recommended_ragged_buffer_factor"):
+    np.testing.assert_allclose([b[tag][s] for s in range(8)], [a[tag][s] for s in range(8)],
+                               rtol=1e-6, err_msg=tag)
+
+
+@contextlib.contextmanager
+def _tmpfs(path: str):
+  """A small tmpfs mounted at `path` for the block (skips the test where mounting is not
+  allowed: it needs root, which CI and this machine's sessions have)."""
+  os.makedirs(path)
+  done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", path],
+                        capture_output=True, text=True)
+  if done.returncode:
+    pytest.skip(f"cannot mount a tmpfs to make a read-only folder ({done.stderr.strip()}); "
+                "root can, and root cannot be kept from writing to a writable one")
+  try:
+    yield lambda mode: subprocess.run(["mount", "-o", f"remount,{mode}", path], check=True)
+  finally:
+    subprocess.run(["umount", path], check=True)
+
+
+@pytest.mark.slow
+def test_failed_checkpoint_write_stops_in_one_line_and_keeps_the_previous(baseline, tmp_path):
+  """The checkpoint folder turns read-only after step 4's checkpoint: the save at step 8 fails,
+  the run stops with one line naming the newest intact checkpoint, which still resumes."""
+  workdir = str(tmp_path / "run")
+  checkpoints = os.path.join(workdir, "checkpoints")
+  with _tmpfs(checkpoints) as remount:
+    trainer.train_and_evaluate(run_config(), workdir, stop_after=4)
+    remount("ro")
+    with pytest.raises(UserError, match=rf"writing a checkpoint to {checkpoints} failed \(.*"
+                                        r"\); step 4 is the newest intact one: free space or fix "
+                                        r"the folder's permissions, then rerun to resume\.$"):
+      trainer.train_and_evaluate(run_config(), workdir)
+    remount("rw")
+    assert sorted(os.listdir(checkpoints)) == ["1", "4"]
+    rest = trainer.train_and_evaluate(run_config(), workdir)
+  np.testing.assert_allclose(rest, baseline.losses[4:], rtol=1e-6)
+
+
+@pytest.mark.slow
+def test_nonfinite_router_input_is_counted_skipped_and_stops_the_run(tmp_path, monkeypatch):
+  """A NaN embedding row makes the tokens after that byte NaN in every MoE layer: they are
+  counted, overflow nothing (no fallback), every step is skipped (params unchanged, alerted)
+  and after max_consecutive_nonfinite=3 such steps the run stops with a checkpoint."""
+  def poisoned(config, mesh):
+    steps = _STEPS(config, mesh)
+    def init(rng):
+      state = steps.init(rng)
+      [scope] = [name for name in state.params if name.endswith("/embed")]
+      table = state.params[scope]["embeddings"].at[ord(" ")].set(np.nan)
+      return state._replace(params={**state.params, scope: {"embeddings": table}})
+    return steps._replace(init=jax.jit(init, out_shardings=steps.state_sharding))
+  monkeypatch.setattr(trainer, "make_steps", poisoned)
+  c = run_config(max_consecutive_nonfinite=3)
+  with pytest.raises(UserError, match=r"4 steps in a row up to step 3 had a non-finite loss or "
+                                      r"gradient norm \(config.max_consecutive_nonfinite=3\); "
+                                      r"they changed nothing, and the state is checkpointed at "
+                                      r"step 4"):
+    trainer.train_and_evaluate(c, str(tmp_path))
+  scalars = read_scalars(str(tmp_path))
+  assert [scalars["train/skipped_steps"][s] for s in range(4)] == [1, 2, 3, 4]
+  assert all(np.isnan(scalars["train/loss"][s]) for s in range(4))
+  for s in range(4):
+    assert scalars["moe/nonfinite_tokens/layer_0"][s] > 0
+    assert scalars["learning/moe_dropless_fallback_layers"][s] == 0
+  with open(tmp_path / "alerts.jsonl") as f:
+    rules = [json.loads(line)["rule"] for line in f]
+  assert {"nonfinite_router_input", "nonfinite_step"} <= set(rules)
+  assert "fallback_ran" not in rules
+  assert sorted(os.listdir(tmp_path / "checkpoints")) == ["1", "4"]

@@ -25,11 +25,12 @@ GRID = [
 
 
 def _setup(shards, k, mult, factor, **overrides):
+  """Mesh, config, params and x; no fallback: the capped layer's drops are the subject."""
   mesh = moe_hk.make_mesh(data=NUM_DEVICES // shards, expert=shards)
   config = moe_hk.MoEConfig(num_experts=shards * mult, num_experts_per_tok=k, emb_dim=WIDTH,
                             mlp_dim=HIDDEN, ragged_buffer_factor=factor, gmm_block_rows=8,
                             load_balance_loss_weight=0.1, router_z_loss_weight=1e-3,
-                            **overrides)
+                            moe_dropless_fallback="none", **overrides)
   params, x = skewed_inputs(config, BATCH, SEQ, skew=4.0, seed=shards * 100 + k * 10 + mult)
   return mesh, config, params, x
 
@@ -168,7 +169,7 @@ def test_plain_two_axis_mesh():
 def test_fsdp_axis_shards_expert_embedding():
   mesh = moe_hk.make_mesh(data=1, fsdp=2, expert=4)
   config = moe_hk.MoEConfig(num_experts=8, num_experts_per_tok=2, emb_dim=WIDTH,
-                            mlp_dim=HIDDEN, ragged_buffer_factor=1.0)
+                            mlp_dim=HIDDEN, ragged_buffer_factor=1.0, moe_dropless_fallback="none")
   params, x = skewed_inputs(config, BATCH, SEQ, skew=4.0, seed=3)
   specs = moe_hk.param_specs(config, mesh)
   assert specs.wi_0 == jax.sharding.PartitionSpec("expert", "fsdp", None)

@@ -10,13 +10,8 @@ import pytest
 import metrics
 import moe_hk
 from moe_hk import events as events_lib
+from tests.helpers import BASE, LAYER_CONFIGS, MESH_SHAPE, unrolled_model
 from tests.moe_inputs import skewed_inputs
-
-MESH_SHAPE = dict(data=2, expert=4)
-BASE = dict(num_experts=8, num_experts_per_tok=2, emb_dim=16, mlp_dim=32, gmm_block_rows=8)
-# Layer 0 overflows and falls back, layer 1 overflows and drops, layer 2 has the worst case.
-LAYER_CONFIGS = [dict(ragged_buffer_factor=0.5, moe_dropless_fallback="layer"),
-                 dict(ragged_buffer_factor=0.5), dict(ragged_buffer_factor=-1)]
 
 
 @pytest.fixture
@@ -41,22 +36,14 @@ def _assert_record_matches(record, stats):
   assert record.would_drop_rows == int(stats.would_drop_rows)
   assert record.dropped_rows == int(stats.dropped_rows)
   np.testing.assert_array_equal(record.tokens_per_expert, stats.tokens_per_expert)
+  assert record.nonfinite_tokens == int(stats.nonfinite_tokens) == 0
   assert record.shards == frozenset({0})  # one process: its first device reports
-
-
-def _unrolled_model(mesh):
-  def forward(x, step):
-    for i, overrides in enumerate(LAYER_CONFIGS):
-      layer = moe_hk.MoELayer(moe_hk.MoEConfig(**BASE, **overrides), mesh, name=f"moe_{i}")
-      x = x + hk.remat(lambda x_, layer=layer, i=i: layer(x_, step=step, layer_index=i))(x)
-    return x
-  return hk.transform_with_state(forward)
 
 
 def test_unrolled_layers_under_grad_with_remat(events):
   mesh = moe_hk.make_mesh(**MESH_SHAPE)
   _, x = skewed_inputs(moe_hk.MoEConfig(**BASE), 16, 16, skew=3.0, seed=1)
-  model = _unrolled_model(mesh)
+  model = unrolled_model(mesh)
   params, state = jax.jit(model.init)(jax.random.key(0), x, 0)
   jax.effects_barrier()
   assert not events, "init must not emit layer events"
@@ -145,7 +132,7 @@ def test_stacked_layers_return_stats_as_outputs(events, mode, remat):
 
 def test_no_events_without_step_or_with_logging_off(events):
   mesh = moe_hk.make_mesh(**MESH_SHAPE)
-  config = moe_hk.MoEConfig(**BASE, ragged_buffer_factor=0.5)
+  config = moe_hk.MoEConfig(**BASE, ragged_buffer_factor=0.5, moe_dropless_fallback="none")
   params, x = skewed_inputs(config, 16, 16, skew=3.0, seed=4)
   _, stats = jax.jit(functools.partial(moe_hk.moe_forward, config=config, mesh=mesh))(params, x)
   quiet = config.replace(log_required_ragged_buffer_factor=False)

@@ -13,11 +13,12 @@ from moe_hk.events import CAPPED_EVENT, FALLBACK_EVENT, LayerEvent
 
 
 def _event(step, layer, shard=0, attempt=0, fallback=0, factor=1.0, would_drop=0, dropped=0,
-           tokens=(4, 4, 4, 4)):
+           tokens=(4, 4, 4, 4), nonfinite=0):
   stats = MoEStats(
       fallback=np.int32(fallback), required_factor=np.float32(factor),
       would_drop_rows=np.int32(would_drop), dropped_rows=np.int32(dropped),
-      tokens_per_expert=np.asarray(tokens, np.int32), lb_loss=np.float32(0.01),
+      tokens_per_expert=np.asarray(tokens, np.int32), nonfinite_tokens=np.int32(nonfinite),
+      lb_loss=np.float32(0.01),
       z_loss=np.float32(0.001), fallback_chunks=np.int32(2 * fallback),
       router_entropy=np.float32(1.0),
       receiver_overflow_rows=np.asarray([would_drop, 0], np.int32),  # all on expert shard 0
@@ -232,3 +233,31 @@ def test_drop_and_near_worst_case_rules(manager):
   rules = {a.rule for a in m.check(steps(0, dropped=4, would_drop=4, factor=3.7))}
   assert rules == {"rows_dropped", "near_worst_case"}
   assert m.check(steps(1, factor=3.5)) == []  # 3.5 < 0.9 * 4
+
+
+def test_nonfinite_router_input_alert_is_rate_limited_and_blames_no_expert(manager):
+  """Non-finite router input is bad data, not traffic: its own rule, with the layers and their
+  counts, no hotspots, and none of the overflow rules."""
+  m, received, path, steps = manager
+  fired = [step for step in range(12) if m.check(steps(step, nonfinite=3, factor=1.2))]
+  assert fired == [0, 5, 10]
+  assert {a.rule for a in received} == {"nonfinite_router_input"}
+  first = json.loads(path.read_text().splitlines()[0])
+  assert first["rule"] == "nonfinite_router_input" and first["step"] == 0
+  assert first["layers"] == [0] and first["details"] == {"nonfinite_tokens": [3]}
+  assert first["hotspots"] == [] and first["since"] == 0
+  assert "step 0" in first["message"] and "layer 0: 3" in first["message"]
+  assert first["message"].startswith("MoE non-finite router input [nonfinite_router_input]")
+  assert received[-1].since == 0 and received[-1].step == 10
+  assert m.check(steps(12, factor=1.2)) == []  # finite again: the condition's run ends
+  assert [a.since for a in m.check(steps(20, nonfinite=1, factor=1.2))] == [20]
+
+
+def test_nonfinite_tokens_tag_every_step():
+  """`moe/nonfinite_tokens/layer_<i>`, zeros included (CLU loads TensorFlow: imported here)."""
+  from metrics.writer import NONFINITE_TOKENS_TAG, step_scalars
+  steps = _Steps()
+  scalars = step_scalars(steps(0, nonfinite=5))
+  assert NONFINITE_TOKENS_TAG == "moe/nonfinite_tokens"
+  assert scalars["moe/nonfinite_tokens/layer_0"] == 5
+  assert scalars["moe/nonfinite_tokens/layer_1"] == 0

@@ -2,7 +2,6 @@
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -12,42 +11,15 @@ import urllib.request
 import jax
 import numpy as np
 import pytest
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-from tensorboard.util import tensor_util
 
 import metrics
 import moe_hk
 from metrics import writer as writer_lib
+from metrics.event_files import has_hparams, read_histograms, read_images, read_scalars
+from tests.helpers import BASE, MESH_SHAPE, ROOT, free_port, unrolled_model
 from tests.moe_inputs import skewed_inputs
-from tests.test_metrics_events import BASE, MESH_SHAPE, _unrolled_model
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def read_scalars(logdir):
-  """tag -> {step: value} from the event files in `logdir`."""
-  acc = EventAccumulator(logdir, size_guidance={"tensors": 0})
-  acc.Reload()
-  return {tag: {e.step: tensor_util.make_ndarray(e.tensor_proto).item()
-                for e in acc.Tensors(tag)} for tag in acc.Tags()["tensors"]
-          if acc.SummaryMetadata(tag).plugin_data.plugin_name == "scalars"}
-
-
-def read_images(logdir):
-  """tag -> {step: [H, W, C] uint8} for the image summaries in `logdir`."""
-  acc = EventAccumulator(logdir, size_guidance={"tensors": 0})
-  acc.Reload()
-  images = {}
-  for tag in acc.Tags()["tensors"]:
-    if acc.SummaryMetadata(tag).plugin_data.plugin_name == "images":
-      images[tag] = {e.step: tf_image(tensor_util.make_ndarray(e.tensor_proto)[2])
-                     for e in acc.Tensors(tag)}
-  return images
-
-
-def tf_image(png: bytes) -> np.ndarray:
-  import tensorflow as tf  # the writers depend on it already
-  return tf.io.decode_png(png).numpy()
+# The tests share the module's trained run (one worker: tests/conftest.py WORKER_GROUPS).
 
 
 STEPS = 3
@@ -61,7 +33,7 @@ def trained_logdir(tmp_path_factory):
   mesh = moe_hk.make_mesh(**MESH_SHAPE)
   batches = [skewed_inputs(moe_hk.MoEConfig(**BASE), 16, 16, skew=3.0, seed=1 + step)[1]
              for step in range(STEPS)]
-  model = _unrolled_model(mesh)
+  model = unrolled_model(mesh)
   params, state = jax.jit(model.init)(jax.random.key(0), batches[0], 0)
   step_fn = jax.jit(lambda p, s, xx, step: model.apply(p, s, None, xx, step))
   alerts, returned, reported = [], [], []
@@ -123,21 +95,16 @@ def test_event_files_hold_the_tags_with_the_returned_values(trained_logdir):
   assert scalars[writer_lib.FALLBACK_CHUNKS_TAG + "/layer_0"][0] > 0  # layer 0 fell back
   assert scalars[writer_lib.FALLBACK_CHUNKS_TAG + "/layer_1"][0] == 0  # layer 1 dropped
   assert scalars[writer_lib.FREQUENCY_TAG][2] == 1.0  # layer 0 falls back every step
-  acc = EventAccumulator(workdir, size_guidance={"tensors": 0})
-  acc.Reload()
-  assert any(t.startswith("_hparams_") for t in acc.Tags()["tensors"])
+  assert has_hparams(workdir)
 
 
 def test_histograms_hold_the_rows_per_expert(trained_logdir):
   """Each step's histogram of rows per expert: its bucket counts are the returned
   `tokens_per_expert` binned over [min, max] (TensorBoard's bucketing), step by step."""
   workdir, returned, _, _ = trained_logdir
-  acc = EventAccumulator(workdir, size_guidance={"tensors": 0})
-  acc.Reload()
+  histograms = read_histograms(workdir)
   for i in range(3):
-    tag = f"{writer_lib.TOKENS_PER_EXPERT_TAG}/layer_{i}"
-    assert acc.SummaryMetadata(tag).plugin_data.plugin_name == "histograms"
-    events = {e.step: tensor_util.make_ndarray(e.tensor_proto) for e in acc.Tensors(tag)}
+    events = histograms[f"{writer_lib.TOKENS_PER_EXPERT_TAG}/layer_{i}"]
     assert sorted(events) == list(range(STEPS))
     for step, state in enumerate(returned):
       tpe = np.asarray(_layer_stats(state)[i].tokens_per_expert, np.float64)
@@ -181,12 +148,6 @@ def test_alerts_from_a_real_run(trained_logdir):
   assert lines[alerts.index(fallback)]["hotspots"] == fallback.hotspots
 
 
-def _free_port():
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
 def _get_json(url):
   with urllib.request.urlopen(url, timeout=5) as response:
     return json.loads(response.read())
@@ -195,7 +156,7 @@ def _get_json(url):
 @pytest.mark.slow
 def test_tensorboard_server_serves_the_scalars(trained_logdir):
   workdir, returned, _, _ = trained_logdir
-  port = _free_port()
+  port = free_port()
   server = subprocess.Popen(
       [sys.executable, "-m", "tensorboard.main", "--logdir", workdir, "--host", "127.0.0.1",
        "--port", str(port), "--reload_interval", "1"],

@@ -128,12 +128,13 @@ def test_remat_policies_give_the_same_step_and_keep_fallback_events():
   received = []
   moe_hk.events.add_sink(received.append)
   try:
-    results = {}
+    results, params = {}, None
     for policy in model_lib.REMAT_POLICIES:
       c = tiny.get_config()
       c.remat_policy = policy
       net = hk.transform(lambda t, s, c=c: model_lib.Transformer(c, mesh, name="model")(t, s))
-      params = jax.jit(net.init)(jax.random.key(1), tokens, None)
+      if params is None:  # the policy changes the backward, not the parameters
+        params = jax.jit(net.init)(jax.random.key(1), tokens, None)
       def loss(p, net=net):
         out = net.apply(p, None, tokens, jnp.int32(7))
         ce = model_lib.cross_entropy(out.hidden, out.embeddings, jnp.roll(tokens, -1, axis=1))

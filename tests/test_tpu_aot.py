@@ -1,9 +1,11 @@
 """The native path (jax.lax.ragged_all_to_all with ragged_dot or the megablox kernels)
-compiles for a TPU topology.
+compiles for a TPU topology, with the receive buffer the config asks for.
 
 This machine has no TPU; the matching libtpu wheel (installed by `make test`) lets XLA compile
 for a v5p topology ahead of time.
 """
+import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -12,17 +14,35 @@ from jax.sharding import NamedSharding
 
 import moe_hk
 from moe_hk import aot, mesh as mesh_lib
+from tests.helpers import require_libtpu
 
-pytest.importorskip("libtpu", reason="needs the libtpu wheel matching jax (jax[tpu])")
+# The compiles are cached for the module: its tests share one worker (tests/conftest.py
+# WORKER_GROUPS).
+
+# 4 expert shards of a v5p 2x2x1 slice, 8 experts, top-2, width 128, 8 x 512 tokens: T = 1024
+# tokens and N = 2048 routed rows per shard; the worst-case buffer P * T * min(K, L) = 8192.
+EXPERTS, K, EMB, MLP, BATCH, SEQ, SHARDS = 8, 2, 128, 256, 8, 512, 4
+BUFFER_ROWS = {-1: 8192, 1.0: 2048}
 
 
-def _compile_value_and_grad(config, mesh, batch=8, seq=64):
+@pytest.fixture(scope="module", autouse=True)
+def _libtpu():
+  require_libtpu()
+
+
+def _mesh():
+  return moe_hk.make_mesh(expert=SHARDS, devices=aot.tpu_topology_devices("v5p:2x2x1"))
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(config: moe_hk.MoEConfig, seq: int = SEQ):
+  """The layer's value-and-grad step on `[BATCH, seq]` tokens, compiled for v5p:2x2x1."""
+  mesh = _mesh()
   specs = moe_hk.param_specs(config, mesh)
-  e, d, f = config.num_experts, config.emb_dim, config.mlp_dim
-  params = moe_hk.MoEParams(jnp.zeros((d, e)), jnp.zeros((e, d, f)), jnp.zeros((e, d, f)),
-                            jnp.zeros((e, f, d)))
+  params = moe_hk.MoEParams(jnp.zeros((EMB, EXPERTS)), jnp.zeros((EXPERTS, EMB, MLP)),
+                            jnp.zeros((EXPERTS, EMB, MLP)), jnp.zeros((EXPERTS, MLP, EMB)))
   params = aot.abstract_like(params, jax.tree.map(lambda s: NamedSharding(mesh, s), specs))
-  x = jax.ShapeDtypeStruct((batch, seq, d), jnp.float32,
+  x = jax.ShapeDtypeStruct((BATCH, seq, EMB), jnp.float32,
                            sharding=NamedSharding(mesh, mesh_lib.batch_spec(mesh)))
 
   def loss(p, xx):
@@ -31,26 +51,31 @@ def _compile_value_and_grad(config, mesh, batch=8, seq=64):
   return jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(params, x).compile()
 
 
+def _config(factor, **kw):
+  return moe_hk.MoEConfig(num_experts=EXPERTS, num_experts_per_tok=K, emb_dim=EMB, mlp_dim=MLP,
+                          ragged_buffer_factor=factor, moe_dropless_fallback="none", **kw)
+
+
 @pytest.mark.parametrize("factor", [-1, 1.0])
-def test_native_path_compiles_for_v5p(factor):
-  mesh = moe_hk.make_mesh(expert=4, devices=aot.tpu_topology_devices("v5p:2x2x1"))
-  config = moe_hk.MoEConfig(num_experts=8, num_experts_per_tok=2, emb_dim=128, mlp_dim=256,
-                            ragged_buffer_factor=factor)
-  assert moe_hk.sharded.resolve_backends(config, mesh) == ("native", "ragged_dot", False)
-  compiled = _compile_value_and_grad(config, mesh)
-  hlo = compiled.as_text()
-  # Dispatch and combine forward, and their transposes in the backward.
+def test_native_path_compiles_for_v5p_with_the_configured_buffer(factor):
+  """Dispatch and combine are ragged all-to-alls (forward and their transposes), the experts
+  ragged_dots, and the dispatch lands in a receive buffer of the config's rows: the worst
+  case, or factor x balanced."""
+  assert moe_hk.sharded.resolve_backends(_config(factor), _mesh()) == (
+      "native", "ragged_dot", False)
+  hlo = _compiled(_config(factor)).as_text()
   assert hlo.count("ragged-all-to-all") >= 4
   assert "ragged_dot_general" in hlo
-  assert aot.total_memory_bytes(compiled) > 0
+  # Output rows of every ragged all-to-all (newer libtpus split it into -start and -done):
+  # the receive buffer's, and N = 2048 where the combine returns rows to their senders.
+  rows = {int(r) for r in re.findall(
+      r"= f32\[(\d+),1,128\][^ ]* ragged-all-to-all(?:-done)?\(", hlo)}
+  assert max(rows) == BUFFER_ROWS[factor] and min(rows) == 2048, (factor, rows)
 
 
 def test_capped_buffer_needs_less_tpu_memory_than_worst_case():
-  mesh = moe_hk.make_mesh(expert=4, devices=aot.tpu_topology_devices("v5p:2x2x1"))
-  config = moe_hk.MoEConfig(num_experts=8, num_experts_per_tok=2, emb_dim=128, mlp_dim=256)
-  worst = aot.total_memory_bytes(_compile_value_and_grad(config, mesh, seq=512))
-  capped = aot.total_memory_bytes(
-      _compile_value_and_grad(config.replace(ragged_buffer_factor=1.0), mesh, seq=512))
+  worst = aot.total_memory_bytes(_compiled(_config(-1)))
+  capped = aot.total_memory_bytes(_compiled(_config(1.0)))
   assert capped < worst, (capped, worst)
 
 
@@ -58,11 +83,9 @@ def test_capped_buffer_needs_less_tpu_memory_than_worst_case():
 def test_megablox_kernels_compile_for_v5p(fallback):
   """gmm_impl='megablox' lowers to Mosaic custom calls (compiled, not interpreted), with no
   ragged_dot left, on the capped path and inside the chunked fallback, in bfloat16."""
-  mesh = moe_hk.make_mesh(expert=4, devices=aot.tpu_topology_devices("v5p:2x2x1"))
-  config = moe_hk.MoEConfig(num_experts=8, num_experts_per_tok=2, emb_dim=128, mlp_dim=256,
-                            ragged_buffer_factor=1.0, gmm_impl="megablox", dtype="bfloat16",
-                            moe_dropless_fallback=fallback)
-  assert moe_hk.sharded.resolve_backends(config, mesh) == ("native", "megablox", False)
-  hlo = _compile_value_and_grad(config, mesh).as_text()
+  config = _config(1.0, gmm_impl="megablox", dtype="bfloat16").replace(
+      moe_dropless_fallback=fallback)
+  assert moe_hk.sharded.resolve_backends(config, _mesh()) == ("native", "megablox", False)
+  hlo = _compiled(config, seq=64).as_text()
   assert "tpu_custom_call" in hlo
   assert "ragged_dot" not in hlo

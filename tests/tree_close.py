@@ -4,7 +4,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-# Per-leaf |a - b| / |b| tolerances by dtype (DESIGN.md §8).
+# Per-leaf |a - b| / |b| tolerances by dtype (docs/testing.md).
 TOLERANCE = {np.dtype("float32"): 1e-5, np.dtype("bfloat16"): 2e-2}
 
 

@@ -6,6 +6,10 @@ def get_config() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   # Mesh: data x fsdp x expert must equal the device count (8 simulated CPU devices).
   c.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=1, expert=8))
+  # Simulated CPU devices when jax runs on the CPU (the machine has no TPU or GPU, or
+  # JAX_PLATFORMS=cpu); the mesh must fit them. A --xla_force_host_platform_device_count in
+  # XLA_FLAGS wins. Ignored on TPU/GPU.
+  c.cpu_devices = 8
   # Model.
   c.vocab_size = 256          # bytes
   c.emb_dim = 128
@@ -84,6 +88,11 @@ def get_config() -> ml_collections.ConfigDict:
   # trains); the update itself runs in float32 either way.
   c.optimizer_state_dtype = "float32"
   c.seed = 0
+  # A step whose loss or gradient norm is not finite changes nothing (params and optimizer
+  # state kept, in the compiled step) and counts in train/skipped_steps; this many in a row
+  # stop the run with a checkpoint of the last good state.
+  c.skip_nonfinite_steps = True
+  c.max_consecutive_nonfinite = 5
   # Evaluation, logging, checkpoints.
   c.eval_every = 50
   c.eval_batches = 2

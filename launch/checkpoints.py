@@ -1,0 +1,119 @@
+"""The run's orbax checkpoints, which never strand it.
+
+A checkpoint holds the train state, the data iterator's state, the MoE metrics' trailing
+windows and the autopilot's state, in `WORKDIR/checkpoints/<step>`. On restore the newest
+checkpoint that reads wins: newer ones that do not read (a truncated array file, garbage JSON)
+are moved aside to `checkpoints/corrupt-<step>` (never deleted), each with one warning line, so
+a restart resumes by itself. When none reads, nothing moves and the run stops with one line
+naming the folder. A save that fails (disk full, read-only folder) stops the run with one line;
+orbax writes each checkpoint to a temporary folder and renames it when complete, so the
+previous checkpoint stays intact.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, NamedTuple
+
+import jax
+import orbax.checkpoint as ocp
+from absl import logging
+from jax.experimental import multihost_utils
+
+from launch.errors import UserError
+
+
+class Restored(NamedTuple):
+  """What a checkpoint holds, read but not yet applied."""
+  step: int
+  state: Any           # the train state, shaped and sharded like the one passed in
+  data: dict           # the data iterator's `get_state()`
+  moe_metrics: dict    # the aggregator's `state_dict()`
+  autopilot: dict      # the autopilot's `state_dict()`, {} without one
+
+
+def _reason(error: Exception) -> str:
+  """The first line of an exception, short enough for a log line."""
+  text = str(error).strip().splitlines()
+  first = text[0] if text else ""
+  return f"{type(error).__name__}: {first[:200]}"
+
+
+class Checkpoints:
+  """`WORKDIR/checkpoints`: periodic saves, and restores that skip unreadable checkpoints."""
+
+  def __init__(self, workdir: str, *, keep: int, every: int):
+    self.directory = os.path.join(os.path.abspath(workdir), "checkpoints")
+    self._manager = ocp.CheckpointManager(
+        self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=keep,
+                                                             save_interval_steps=every))
+
+  def latest_step(self) -> int | None:
+    return self._manager.latest_step()
+
+  def should_save(self, step: int) -> bool:
+    return self._manager.should_save(step)
+
+  def save(self, step: int, state, data: dict, moe_metrics: dict, autopilot: dict) -> None:
+    """Starts writing checkpoint `step` (in the background); UserError when a write fails."""
+    self._guarded(lambda: self._manager.save(step, force=True, args=ocp.args.Composite(
+        state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data),
+        moe_metrics=ocp.args.JsonSave(moe_metrics), autopilot=ocp.args.JsonSave(autopilot))))
+
+  def wait(self) -> None:
+    """Blocks until every started save is complete; UserError when one failed."""
+    self._guarded(self._manager.wait_until_finished)
+
+  def _guarded(self, write) -> None:
+    try:
+      write()
+    except Exception as e:  # tensorstore and orbax wrap the OS error in their own types
+      intact = [s for s in self._manager.all_steps()
+                if os.path.isdir(os.path.join(self.directory, str(s)))]
+      newest = f"step {max(intact)} is the newest intact one" if intact else "none was written"
+      raise UserError(f"writing a checkpoint to {self.directory} failed ({_reason(e)}); "
+                      f"{newest}: free space or fix the folder's permissions, then rerun to "
+                      "resume.") from None
+
+  def restore(self, abstract_state) -> Restored | None:
+    """The newest checkpoint that reads (None when there is none); `abstract_state` gives the
+    train state's shapes, dtypes and shardings (`jax.ShapeDtypeStruct`s). Newer unreadable
+    checkpoints are moved aside."""
+    steps = sorted(self._manager.all_steps(), reverse=True)
+    failed = []
+    for step in steps:
+      try:
+        restored = self._manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore(),
+            moe_metrics=ocp.args.JsonRestore(), autopilot=ocp.args.JsonRestore()))
+      except Exception as e:  # what an unreadable checkpoint raises varies by what broke
+        failed.append((step, _reason(e)))
+        continue
+      for bad, reason in failed:
+        self._move_aside(bad, reason)
+      if failed:
+        self._manager.reload()
+      return Restored(step, restored.state, restored.data, restored.moe_metrics,
+                      restored.autopilot or {})
+    if failed:
+      listed = "; ".join(f"step {s}: {r}" for s, r in failed)
+      raise UserError(f"no checkpoint in {self.directory} reads ({listed}): move the folder "
+                      "away to train from scratch, or restore a copy.")
+    return None
+
+  def _move_aside(self, step: int, reason: str) -> None:
+    """Renames checkpoint `step` to `corrupt-<step>` (process 0; every process waits)."""
+    source = os.path.join(self.directory, str(step))
+    target = os.path.join(self.directory, f"corrupt-{step}")
+    suffix = 0
+    while os.path.exists(target):
+      suffix += 1
+      target = os.path.join(self.directory, f"corrupt-{step}-{suffix}")
+    if jax.process_index() == 0:
+      os.rename(source, target)
+    if jax.process_count() > 1:
+      multihost_utils.sync_global_devices(f"checkpoint {step} moved aside")
+    logging.warning("checkpoint %d does not read (%s): moved to %s; resuming from an older one.",
+                    step, reason, target)
+
+  def close(self) -> None:
+    self._manager.close()

@@ -1,0 +1,70 @@
+"""What an operator reads on the terminal: a few lines a run, written by process 0.
+
+    compiling the train step (the first step runs when it is compiled) ...
+    first step: 23.4 s (compilation included)
+    step 120/200 | loss 2.031 | 9.1k tok/s | 0.44 s/step | fallback 3/10 steps | factor 2.0 | ETA 0:00:35
+    done: steps 0-199 in 0:01:40 | loss 1.874 (eval 1.902) | fallback in 12% of steps | ...
+
+Progress comes once per fetch of the steps' outputs (`config.log_every` steps), from the
+fetched values: it costs no extra device round trip.
+"""
+from __future__ import annotations
+
+import datetime
+import sys
+from typing import NamedTuple, TextIO
+
+import jax
+
+
+def duration(seconds: float) -> str:
+  """`H:MM:SS`."""
+  return str(datetime.timedelta(seconds=round(max(seconds, 0.0))))
+
+
+def rate(value: float) -> str:
+  """`9.1k`, `12.3M`: three significant figures at most."""
+  for scale, unit in ((1e6, "M"), (1e3, "k")):
+    if value >= scale:
+      return f"{value / scale:.3g}{unit}"
+  return f"{value:.3g}"
+
+
+class Interval(NamedTuple):
+  """The steps of one fetch, as the progress line reports them."""
+  last_step: int          # 0-based index of the interval's last step
+  loss: float             # its training loss
+  seconds_per_step: float
+  tokens_per_second: float
+  fallback_steps: int     # steps of the interval in which a MoE layer fell back
+  steps: int              # steps in the interval
+  dropped_rows: int       # rows dropped in the interval (only without a fallback)
+  skipped_steps: int      # steps skipped for a non-finite loss or gradient
+  factor: float           # the ragged_buffer_factor in force at its last step
+
+
+class Console:
+  """Lines for the operator; silent on every process but 0."""
+
+  def __init__(self, total_steps: int, stream: TextIO | None = None):
+    self.total_steps = total_steps
+    self._stream = stream or sys.stdout
+    self._on = jax.process_index() == 0
+
+  def line(self, text: str) -> None:
+    if self._on:
+      print(text, file=self._stream, flush=True)
+
+  def progress(self, i: Interval) -> None:
+    """`step 120/200 | loss 2.031 | 9.1k tok/s | ...`; the ETA assumes the interval's speed."""
+    done = i.last_step + 1
+    fields = [f"step {done}/{self.total_steps}", f"loss {i.loss:.4g}",
+              f"{rate(i.tokens_per_second)} tok/s", f"{i.seconds_per_step:.3g} s/step",
+              f"fallback {i.fallback_steps}/{i.steps} steps"]
+    if i.dropped_rows:
+      fields.append(f"dropped {i.dropped_rows} rows")
+    if i.skipped_steps:
+      fields.append(f"skipped {i.skipped_steps} non-finite")
+    fields += [f"factor {i.factor:g}",
+               f"ETA {duration((self.total_steps - done) * i.seconds_per_step)}"]
+    self.line(" | ".join(fields))

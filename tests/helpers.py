@@ -1,0 +1,97 @@
+"""What several test modules share: paths, the libtpu requirement, the small MoE models and the
+launcher's tiny config with a step cache (no test module imports another)."""
+from __future__ import annotations
+
+import functools
+import json
+import os
+import socket
+
+import haiku as hk
+import ml_collections
+import pytest
+
+import moe_hk
+from launch.configs import tiny
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = "launch/configs/tiny.py"
+
+
+def free_port() -> int:
+  """A TCP port on the loopback interface that nothing listens on now."""
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def require_libtpu() -> None:
+  """Skips without the libtpu wheel (a partial install), except in CI (`CI=true`), where a
+  missing libtpu fails: ten TPU checks must never turn into quiet skips there."""
+  try:
+    import libtpu  # noqa: F401
+  except ImportError:
+    if os.environ.get("CI", "").lower() in ("1", "true"):
+      pytest.fail("libtpu is not installed: `make install` installs jax[tpu]; the TPU "
+                  "compile checks cannot run")
+    pytest.skip("needs the libtpu wheel matching jax (jax[tpu], installed by `make install`)")
+
+
+# The metrics tests' three-layer model: layer 0 overflows and falls back, layer 1 overflows
+# and drops, layer 2 has the worst-case buffer. Fixed chunking: the chunking is not their
+# subject (tests/test_adaptive_fallback.py's is), and it compiles one fallback branch.
+MESH_SHAPE = dict(data=2, expert=4)
+BASE = dict(num_experts=8, num_experts_per_tok=2, emb_dim=16, mlp_dim=32, gmm_block_rows=8,
+            dropless_fallback_chunking="fixed")
+LAYER_CONFIGS = [dict(ragged_buffer_factor=0.5, moe_dropless_fallback="layer"),
+                 dict(ragged_buffer_factor=0.5, moe_dropless_fallback="none"),
+                 dict(ragged_buffer_factor=-1)]
+
+
+def unrolled_model(mesh) -> hk.TransformedWithState:
+  """`(x [B, S, 16], step) -> x + sum of the LAYER_CONFIGS layers`, each rematerialised, stats
+  in Haiku state under `moe_<i>`."""
+  def forward(x, step):
+    for i, overrides in enumerate(LAYER_CONFIGS):
+      layer = moe_hk.MoELayer(moe_hk.MoEConfig(**BASE, **overrides), mesh, name=f"moe_{i}")
+      x = x + hk.remat(lambda x_, layer=layer, i=i: layer(x_, step=step, layer_index=i))(x)
+    return x
+  return hk.transform_with_state(forward)
+
+
+def tiny_config(**overrides) -> ml_collections.ConfigDict:
+  """The launcher's tiny config with top-level fields replaced."""
+  c = tiny.get_config()
+  c.update(overrides)
+  return c
+
+
+# Config keys the compiled steps never read (the loop's intervals, the host's data source, the
+# autopilot's and the traffic recorder's settings), per section ('' for the top level): runs
+# that differ only in them share their steps.
+HOST_ONLY_KEYS = {
+    "": ("checkpoint_every", "checkpoints_to_keep", "eval_every", "eval_batches", "log_every",
+         "max_consecutive_nonfinite", "cpu_devices"),
+    "data": ("source", "pattern", "max_bytes"),
+    "moe": ("autotune_ragged_buffer_factor", "target_fallback_frequency", "memory_budget_gib",
+            "autotune_window", "autotune_max_programs", "autotune_wait", "traffic_max_mib"),
+}
+
+
+def cached_make_steps(make_steps):
+  """`make_steps` memoised on the config's contents (less HOST_ONLY_KEYS) and the mesh:
+  runs of one model in one test process share their jitted, so compiled, steps, as one long
+  run would."""
+  @functools.lru_cache(maxsize=None)
+  def build(config_json: str, mesh):
+    return make_steps(ml_collections.ConfigDict(json.loads(config_json)), mesh)
+
+  def cached(config, mesh, *args, **kwargs):
+    if args or kwargs:
+      return make_steps(config, mesh, *args, **kwargs)
+    key = json.loads(config.to_json())
+    for section, names in HOST_ONLY_KEYS.items():
+      for name in names:
+        (key[section] if section else key).pop(name, None)
+    return build(json.dumps(key, sort_keys=True), mesh)
+  return cached

@@ -1,0 +1,208 @@
+"""The entry points' command line (`launch.cli`, `launch.overrides`): every user mistake is one
+line on stderr, exit status 2 for flag misuse and 1 for an invalid value, no traceback, no
+usage dump. In this process where the parsing is the subject; three subprocesses prove the
+exit status and the streams of the real commands."""
+import os
+import re
+import subprocess
+import sys
+
+import ml_collections
+import pytest
+from absl import app, flags
+from absl.testing import flagsaver
+
+from launch import aot, capacity, cli, demo, overrides  # noqa: F401  (their flags)
+from launch.configs import tiny
+from launch.errors import UserError
+from tests.helpers import ROOT
+
+
+def parse_fails(capsys, monkeypatch, *args: str) -> tuple[int, str]:
+  """`cli.parse` of `prog ARGS`, which must end the program: (exit status, its stderr)."""
+  argv = ["prog", *args]
+  monkeypatch.setattr(sys, "argv", argv)  # where ml_collections reads overrides from
+  with flagsaver.flagsaver(), pytest.raises(SystemExit) as exit_:
+    cli.parse(argv)
+  return exit_.value.code, capsys.readouterr().err
+
+
+def one_line(stderr: str) -> str:
+  """The message of the one line `stderr` must be."""
+  assert stderr.endswith("\n") and stderr.count("\n") == 1, stderr
+  program, message = stderr[:-1].split(": error: ", 1)
+  assert program and " " not in program, stderr
+  return message
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--nosuch=1"], "Unknown command line flag 'nosuch' (--help lists the flags)"),
+    (["--top_k=x"], "flag --top_k=x: invalid literal for int() with base 10: 'x'"),
+    (["--format=csv"], "flag --format=csv: value should be one of <table|json>"),
+    # launch.aot's --config, on its default file (launch/configs/maverick.py).
+    (["--config.moe.num_expert=4"], "--config.moe.num_expert: no such config key (closest: "
+                                    "config.moe.num_experts, "),
+    (["--config.train_steps=abc"], "flag --config.train_steps=abc: invalid literal for int()"),
+])
+def test_flag_misuse_is_one_line_exit_2(capsys, monkeypatch, args, message):
+  status, stderr = parse_fails(capsys, monkeypatch, *args)
+  assert status == cli.FLAG_MISUSE
+  assert one_line(stderr).startswith(message)
+
+
+def test_a_missing_config_file_names_the_shipped_ones(capsys, tmp_path, monkeypatch):
+  monkeypatch.chdir(tmp_path)
+  status, stderr = parse_fails(capsys, monkeypatch, "--config=launch/configs/tny.py")
+  assert status == cli.USER_ERROR
+  assert one_line(stderr) == (
+      f"--config=launch/configs/tny.py: no such file (from {tmp_path}). Shipped configs: "
+      f"default.py, maverick.py, tiny.py in {ROOT}/launch/configs.")
+
+
+@pytest.mark.parametrize("source,message", [
+    ("def get_config(:\n", r"line 1: .*; a config file is Python with a get_config\(\)\."),
+    ("CONFIG = {}\n", r"defines no get_config\(\)\. Shipped configs: default\.py"),
+])
+def test_a_config_file_that_gives_no_config_is_one_line(capsys, monkeypatch, tmp_path, source,
+                                                        message):
+  path = tmp_path / "bad.py"
+  path.write_text(source)
+  status, stderr = parse_fails(capsys, monkeypatch, f"--aot_config={path}")
+  assert status == cli.USER_ERROR
+  line = one_line(stderr)
+  assert line.startswith(f"--aot_config={path}: ") and re.search(message, line), line
+
+
+def test_the_default_config_is_found_from_another_folder(tmp_path, monkeypatch):
+  """launch.aot's --config without a value: its shipped default, with the override applied
+  (ml_collections reads overrides from sys.argv), wherever the command runs."""
+  monkeypatch.chdir(tmp_path)
+  # --workdir: launch.capacity's required flag (one flag registry for the modules loaded here).
+  argv = ["prog", "--workdir=unused", "--config.moe.ragged_buffer_factor=1.75"]
+  monkeypatch.setattr(sys, "argv", argv)
+  with flagsaver.flagsaver():
+    assert cli.parse(argv) == ["prog"]
+    assert flags.FLAGS.config.moe.ragged_buffer_factor == 1.75
+    assert flags.FLAGS.config.num_layers == 48  # maverick.py
+
+
+def test_config_flag_help_lists_the_shipped_configs_and_print_config():
+  help_text = flags.FLAGS["config"].help
+  assert f"Shipped configs: default.py, maverick.py, tiny.py in {ROOT}/launch/configs" in help_text
+  assert "--print_config" in help_text
+  assert flags.FLAGS["config"].default_as_str == repr(f"{ROOT}/launch/configs/maverick.py")
+
+
+def raising(error: Exception):
+  """A main that raises `error`."""
+  def main(argv):
+    raise error
+  return main
+
+
+@pytest.mark.parametrize("error,status", [
+    (UserError("config.train_steps=0 must be >= 1."), cli.USER_ERROR),
+    (app.UsageError("--a and --b go together."), cli.USER_ERROR),
+    (app.UsageError("--a and --b go together.", exitcode=2), cli.FLAG_MISUSE),
+])
+def test_a_mains_user_error_is_one_line(capsys, error, status):
+  with pytest.raises(SystemExit) as exit_:
+    cli.one_line_errors(raising(error))(["prog"])
+  assert exit_.value.code == status
+  assert one_line(capsys.readouterr().err) == str(error)
+
+
+def test_a_mains_bug_keeps_its_traceback():
+  with pytest.raises(ZeroDivisionError):
+    cli.one_line_errors(raising(ZeroDivisionError("a bug")))(["prog"])
+
+
+def test_arguments_that_are_not_flags_are_flag_misuse(capsys):
+  with pytest.raises(SystemExit) as exit_:
+    cli.one_line_errors(raising(AssertionError("not reached")))(["prog", "train", "fast"])
+  assert exit_.value.code == cli.FLAG_MISUSE
+  assert one_line(capsys.readouterr().err).startswith("unexpected arguments train fast: ")
+
+
+def test_user_errors_turns_value_errors_into_user_errors():
+  with pytest.raises(UserError, match=r"^config.x=1 must be 2\.$"):
+    with cli.user_errors():
+      raise ValueError("config.x=1 must be 2.")
+  with pytest.raises(KeyError):
+    with cli.user_errors():
+      raise KeyError("a bug")
+
+
+def test_print_config_lines_set_every_key():
+  lines = overrides.as_flags(tiny.get_config())
+  assert "--config.moe.num_experts=8" in lines and "--config.dtype=float32" in lines
+  assert "--config.data.pattern=''" in lines  # an empty string, as a shell reads it
+  assert "--config.moe.use_ring_of_experts=False" in lines
+  nested = ml_collections.ConfigDict(dict(a=1, b=dict(c="x y", d=dict(e=0.5))))
+  assert overrides.as_flags(nested, "cfg") == ["--cfg.a=1", "--cfg.b.c='x y'",
+                                               "--cfg.b.d.e=0.5"]
+
+
+DEMO_FLAGS = ("shards", "experts", "top_k", "factor", "skew", "batch", "seq")
+
+
+@pytest.mark.parametrize("changes,message", [
+    (dict(top_k=0), "--top_k=0: must be in [1, --experts=16]."),
+    (dict(top_k=3, experts=2, shards=2), "--top_k=3: must be in [1, --experts=2]."),
+    (dict(factor=0.0), "--factor=0.0: must be a buffer factor > 0 (1.0: the balanced rows)."),
+    (dict(skew=float("nan")), "--skew=nan: must be a finite number."),
+    (dict(shards=3), "--shards=3: must be a divisor of the 8 devices."),
+    (dict(experts=12), "--experts=12: must be a positive multiple of --shards=8 "),
+    (dict(batch=12), "--batch=12: must be a positive multiple of the 8 devices "),
+    (dict(seq=0), "--seq=0: must be at least 1."),
+])
+def test_demo_names_the_flag_its_value_and_what_is_valid(changes, message):
+  defaults = {name: flags.FLAGS[name].default for name in DEMO_FLAGS}
+  demo.check_flags(**defaults, devices=8)  # the defaults run
+  with pytest.raises(UserError) as raised:
+    demo.check_flags(**defaults | changes, devices=8)
+  assert str(raised.value).startswith(message)
+
+
+def test_capacity_aot_config_without_topology_is_flag_misuse(tmp_path):
+  with flagsaver.flagsaver():
+    flags.FLAGS(["capacity", f"--workdir={tmp_path}",
+                 f"--aot_config={ROOT}/launch/configs/tiny.py"])
+    with pytest.raises(app.UsageError, match="go together") as raised:
+      capacity.main(["capacity"])
+  assert raised.value.exitcode == cli.FLAG_MISUSE
+
+
+def command(module: str, *args: str, cwd=ROOT) -> subprocess.CompletedProcess:
+  """`python -m MODULE ARGS` run from `cwd`, the package importable."""
+  return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, capture_output=True,
+                        text=True, timeout=300, env={**os.environ, "PYTHONPATH": ROOT})
+
+
+def assert_no_traceback_or_usage(stderr: str) -> None:
+  for text in ("Traceback", "flags:", "USAGE", "Try --help"):
+    assert text not in stderr, stderr
+
+
+def test_invalid_config_value_from_another_folder(tmp_path):
+  """The default config (found from /tmp), a bad value: the trainer's message is the last line
+  of stderr, exit status 1."""
+  done = command("launch.train", f"--workdir={tmp_path}/run", "--config.moe.num_experts=12",
+                 cwd=tmp_path)
+  assert done.returncode == cli.USER_ERROR, done.stderr
+  assert done.stderr.splitlines()[-1] == ("launch.train: error: config.moe.num_experts=12 must "
+                                          "be divisible by config.mesh.expert=8.")
+  assert_no_traceback_or_usage(done.stderr)
+
+
+def test_unknown_flag_exit_2():
+  done = command("launch.train", "--workdir=unused", "--nosuch=1")
+  assert (done.returncode, done.stderr) == (
+      cli.FLAG_MISUSE, "launch.train: error: Unknown command line flag 'nosuch' (--help lists "
+                       "the flags)\n")
+
+
+def test_demo_bad_flag_is_one_line_exit_1():
+  done = command("launch.demo", "--top_k=0")
+  assert (done.returncode, done.stderr) == (
+      cli.USER_ERROR, "launch.demo: error: --top_k=0: must be in [1, --experts=16].\n")
