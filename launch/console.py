@@ -34,8 +34,8 @@ class Interval(NamedTuple):
   """The steps of one fetch, as the progress line reports them."""
   last_step: int          # 0-based index of the interval's last step
   loss: float             # its training loss
-  seconds_per_step: float
-  tokens_per_second: float
+  seconds_per_step: float | None   # None for the interval that compiled the step
+  tokens_per_second: float | None
   fallback_steps: int     # steps of the interval in which a MoE layer fell back
   steps: int              # steps in the interval
   dropped_rows: int       # rows dropped in the interval (only without a fallback)
@@ -56,15 +56,18 @@ class Console:
       print(text, file=self._stream, flush=True)
 
   def progress(self, i: Interval) -> None:
-    """`step 120/200 | loss 2.031 | 9.1k tok/s | ...`; the ETA assumes the interval's speed."""
+    """`step 120/200 | loss 2.031 | 9.1k tok/s | ...`; the ETA assumes the interval's speed
+    (the interval that compiled the step shows neither)."""
     done = i.last_step + 1
-    fields = [f"step {done}/{self.total_steps}", f"loss {i.loss:.4g}",
-              f"{rate(i.tokens_per_second)} tok/s", f"{i.seconds_per_step:.3g} s/step",
-              f"fallback {i.fallback_steps}/{i.steps} steps"]
+    fields = [f"step {done}/{self.total_steps}", f"loss {i.loss:.4g}"]
+    if i.seconds_per_step is not None:
+      fields += [f"{rate(i.tokens_per_second)} tok/s", f"{i.seconds_per_step:.3g} s/step"]
+    fields.append(f"fallback {i.fallback_steps}/{i.steps} steps")
     if i.dropped_rows:
       fields.append(f"dropped {i.dropped_rows} rows")
     if i.skipped_steps:
       fields.append(f"skipped {i.skipped_steps} non-finite")
-    fields += [f"factor {i.factor:g}",
-               f"ETA {duration((self.total_steps - done) * i.seconds_per_step)}"]
+    fields.append(f"factor {i.factor:g}")
+    if i.seconds_per_step is not None:
+      fields.append(f"ETA {duration((self.total_steps - done) * i.seconds_per_step)}")
     self.line(" | ".join(fields))

@@ -9,6 +9,8 @@ environment; elsewhere (several CPU processes on one machine over gloo) pass
 `--coordinator_address=HOST:PORT --num_processes=N --process_id=I`. A mistake in the flags or
 the config stops it before anything compiles, in one line (launch.cli).
 """
+import os
+
 import jax
 import ml_collections
 from absl import flags, logging
@@ -51,8 +53,10 @@ def main(argv):
     return
   if not flags.FLAGS["verbosity"].present:
     # The console is the trainer's own lines and warnings; libraries' INFO (orbax writes
-    # dozens of lines a checkpoint) only with --verbosity=1.
+    # dozens of lines a checkpoint, TensorFlow's C++ log a few at import) only with
+    # --verbosity=1.
     logging.set_verbosity(logging.WARNING)
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
   platforms = platform.setup(cpu_devices(config))
   distributed.initialize_distributed(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
                                      platforms)

@@ -179,10 +179,7 @@ class _Reporter:
     self.totals = _Totals()
     self.replays = 0  # step mode: steps replayed so far (moe/step_replays)
     self._since = time.perf_counter()
-
-  def restart_clock(self) -> None:
-    """Times the next interval from now (after the first step's compilation)."""
-    self._since = time.perf_counter()
+    self._compiled = False  # whether an interval after the one that compiled was timed
 
   def flush(self, pending: list[_Pending]) -> None:
     if not pending:
@@ -228,9 +225,13 @@ class _Reporter:
     totals.steps += len(pending)
     totals.fallback_steps += interval_fallbacks
     totals.dropped_rows += interval_dropped
+    # The first interval's time is mostly compilation: no speed or ETA from it.
+    timed = self._compiled
+    self._compiled = True
     self.console.progress(console_lib.Interval(
-        last_step=pending[-1].step, loss=self.losses[-1], seconds_per_step=seconds / len(pending),
-        tokens_per_second=self.tokens_per_step * len(pending) / seconds,
+        last_step=pending[-1].step, loss=self.losses[-1],
+        seconds_per_step=seconds / len(pending) if timed else None,
+        tokens_per_second=self.tokens_per_step * len(pending) / seconds if timed else None,
         fallback_steps=interval_fallbacks, steps=len(pending), dropped_rows=interval_dropped,
         skipped_steps=interval_skipped, factor=pending[-1].factor))
     pending.clear()
@@ -372,7 +373,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
           jax.block_until_ready(out["loss"])
           console.line(f"first step: {time.perf_counter() - compile_started:.1f} s "
                        "(compilation included)")
-          reporter.restart_clock()
         pending.append(_Pending(step, out, factor))
         done = step + 1 == config.train_steps
         evaluate = (step + 1) % config.eval_every == 0 or done
