@@ -33,6 +33,7 @@ from launch.errors import UserError
 from launch.model import REMAT_POLICIES, moe_config
 from launch.steps import Steps, make_steps
 from metrics import traffic
+from metrics.alerts import ALERTS_FILE
 from moe_hk import aot
 
 
@@ -270,12 +271,9 @@ def _check_workdir(workdir: str) -> None:
                     "pass a folder this user can write.") from None
 
 
-_ALERTS_FILE = "alerts.jsonl"  # where metrics.AlertManager writes, in the workdir
-
-
 def _alerts_written(workdir: str) -> int:
   """Lines in `workdir/alerts.jsonl` (0 when there is none)."""
-  path = os.path.join(workdir, _ALERTS_FILE)
+  path = os.path.join(workdir, ALERTS_FILE)
   if not os.path.exists(path):
     return 0
   with open(path) as f:
@@ -424,6 +422,6 @@ def _summary(console: console_lib.Console, workdir: str, checkpoints: Checkpoint
       f"done: steps {first}-{first + len(losses) - 1} in {console_lib.duration(seconds)} | "
       f"loss {losses[-1]:.4g}{evaluated} | fallback in {totals.fallback_steps}/{totals.steps} "
       f"steps | dropped {totals.dropped_rows} rows | skipped {totals.skipped} non-finite steps")
-  console.line(f"alerts: {alerts} new in {os.path.join(workdir, _ALERTS_FILE)} | "
+  console.line(f"alerts: {alerts} new in {os.path.join(workdir, ALERTS_FILE)} | "
                f"TensorBoard: tensorboard --logdir {workdir} | checkpoints: "
                f"{checkpoints.directory} (step {checkpoints.latest_step()})")

@@ -35,6 +35,7 @@ from absl import logging
 
 from metrics.aggregator import LayerRecord, StepMetrics
 
+ALERTS_FILE = "alerts.jsonl"  # in the workdir: one JSON object per alert
 NONFINITE_RULE = "nonfinite_router_input"
 NONFINITE_STEP_RULE = "nonfinite_step"
 
@@ -80,7 +81,7 @@ class AlertManager:
     self.worst_case_factor = worst_case_factor
     self.config = config
     self.callback = callback
-    self.path = os.path.join(workdir, "alerts.jsonl") if workdir else None
+    self.path = os.path.join(workdir, ALERTS_FILE) if workdir else None
     self._since: dict[str, int] = {}
     self._last_sent: dict[str, int] = {}
     self._lock = threading.Lock()
