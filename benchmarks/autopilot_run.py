@@ -43,7 +43,7 @@ def run(name: str, workdir: str, steps: int) -> dict:
   c = default.get_config()
   c.train_steps = steps
   c.moe.ragged_buffer_factor = factor
-  c.moe.autotune_ragged_buffer_factor = auto
+  c.autopilot.enabled = auto
   path = os.path.join(workdir, name)
   losses = trainer.train_and_evaluate(c, path)
   factors = {s: v for s, (_, v) in _points(path, "moe/ragged_buffer_factor").items()}

@@ -9,7 +9,7 @@ factor about 1.2 x the factor) and a severe one (about 2.4 x), set by skewing th
 experts 0 and 1 (both on shard 0) until the first layer's required factor hits the target.
 For each, timed interleaved: the capped step on the same input (rows dropped; the baseline),
 fixed chunking (8 chunks, each with its worst-case buffer), the earlier two-rung adaptive
-ladder (`fallback.two_rung_ladder`: 2 chunks of the capped buffer, else 8) and adaptive
+ladder (`fallback_variants.two_rung_ladder`: 2 chunks of the capped buffer, else 8) and adaptive
 chunking (`fallback.traffic_ladder`). The ideal of a step is the mean over its layers of
 max(1, required_factor / factor) capped steps. Reports the median and p25-p75 of per-round
 ratios to the capped step, ratio / ideal, the chunks each layer ran and the buffer rows per
@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import moe_hk
-from benchmarks import fallback_overhead, timing
+from benchmarks import fallback_overhead, fallback_variants, timing
 from launch import platform
 from moe_hk import dispatch_plan, fallback, routing
 
@@ -49,8 +49,10 @@ def variant_layer(variant: str, mesh):
   config = config.replace(moe_dropless_fallback="layer",
                           dropless_fallback_chunking="fixed" if variant == "fixed" else
                           "adaptive")
-  ladder = fallback.two_rung_ladder if variant == "two_rung" else fallback.traffic_ladder
-  return functools.partial(moe_hk.moe_forward, config=config, mesh=mesh, ladder=ladder)
+  layer = functools.partial(moe_hk.moe_forward, config=config, mesh=mesh)
+  if variant == "two_rung":
+    return fallback_variants.traced_with(layer, ladder=fallback_variants.two_rung_ladder)
+  return layer
 
 
 def skewed(params: moe_hk.MoEParams, x: jax.Array, skew: float, seed: int = 1):
@@ -113,7 +115,8 @@ def first_layer_rung(variant: str, params, x) -> fallback.Rung:
     return fallback.Rung(1, rows)
   if variant == "fixed":
     return fallback.fixed_rung(**plan)
-  ladder = {"two_rung": fallback.two_rung_ladder, "adaptive": fallback.traffic_ladder}[variant]
+  ladder = {"two_rung": fallback_variants.two_rung_ladder,
+            "adaptive": fallback.traffic_ladder}[variant]
   rungs = (fallback.Rung(1, rows), *ladder(seq=SEQ, **plan))
   fine = []
   for block in jnp.split(x, SHARDS):  # shard i holds the i-th block of the batch

@@ -7,7 +7,7 @@ and each model (one bare MoE layer; stacks of rematerialised MoE layers trained 
 compiles the step and prints total memory per device (arguments + outputs + temp - aliased)
 and the compile time for: the worst-case buffer, the capped buffer, capped + `layer` fallback
 (scan of checkpointed chunks), the same with adaptive chunking (`fallback.traffic_ladder`),
-with the earlier two-rung adaptive ladder (`fallback.two_rung_ladder`), and capped + fallback
+with the earlier two-rung adaptive ladder (`fallback_variants.two_rung_ladder`), and capped + fallback
 with a Python-unrolled chunk loop (the naive form, `moe_hk.fallback.unrolled_chunks`). Each
 rung of an adaptive ladder is a compiled switch branch, so these columns measure what rungs
 cost. `--factor` sets the buffer factor (a lower one lengthens the adaptive ladder). JSON
@@ -26,6 +26,7 @@ import optax
 from jax.sharding import NamedSharding
 
 import moe_hk
+from benchmarks import fallback_variants
 from launch import platform as launch_platform
 from moe_hk import aot, fallback, mesh as mesh_lib
 
@@ -65,9 +66,10 @@ def variant_config(variant: str, **overrides) -> moe_hk.MoEConfig:
 
 def variant_layer(variant: str, config: moe_hk.MoEConfig, mesh):
   """`(params, x) -> (y, stats)` of `variant`'s layer."""
-  swap = {"fallback_two_rung": {"ladder": fallback.two_rung_ladder},
+  swap = {"fallback_two_rung": {"ladder": fallback_variants.two_rung_ladder},
           "fallback_unrolled": {"chunk_loop": fallback.unrolled_chunks}}.get(variant, {})
-  return functools.partial(moe_hk.moe_forward, config=config, mesh=mesh, **swap)
+  return fallback_variants.traced_with(
+      functools.partial(moe_hk.moe_forward, config=config, mesh=mesh), **swap)
 
 
 def make_mesh(platform: str):

@@ -11,7 +11,7 @@ stats. Variants, interleaved, ratio per round:
   fallback branch would call back if it ran (`emit_fallback_events`; nothing overflows here);
   the host fetches the returned stats and `MoEMetrics.report_step` aggregates them, writes
   TensorBoard scalars and histograms and runs the alert rules, every step.
-* `streamed`: the bare-layer route: `log_required_ragged_buffer_factor=True` calls back from
+* `streamed`: the bare-layer route: `stream_step_stats=True` calls back from
   every layer every step and `MoEMetrics.end_step` waits for the callbacks.
 
 JSON, then a table.
@@ -57,9 +57,9 @@ def main():
   params, x = fallback_overhead.balanced_inputs(config, fallback_memory.BATCH,
                                                 fallback_memory.SEQ)
   # Each traces once per kind of `step` (None or traced).
-  from_step = make_step(config.replace(log_required_ragged_buffer_factor=False), mesh,
+  from_step = make_step(config.replace(stream_step_stats=False), mesh,
                         args.layers)
-  streamed = make_step(config.replace(log_required_ragged_buffer_factor=True), mesh,
+  streamed = make_step(config.replace(stream_step_stats=True), mesh,
                        args.layers)
   workdir = tempfile.mkdtemp()
   moe_metrics = metrics.MoEMetrics(

@@ -51,9 +51,10 @@ class FactorController:
   def __init__(self, factor: float, *, target: float, worst_case: float, window: int = 100,
                rung: float = 0.125):
     if not 0 < target < 1:
-      raise ValueError(f"config.moe.target_fallback_frequency={target} must be in (0, 1).")
+      raise ValueError(f"config.autopilot.target_fallback_frequency={target} must be in "
+                       "(0, 1).")
     if window < 4:
-      raise ValueError(f"config.moe.autotune_window={window} must be >= 4.")
+      raise ValueError(f"config.autopilot.window={window} must be >= 4.")
     self.factor = float(factor)
     self.target = target
     self.window = window
@@ -91,7 +92,8 @@ class FactorController:
     if observed > 2 * self.target:
       up = self._smallest_fitting(above=self.factor)
       if up is not None:
-        return Decision(up, "raise", {**evidence, "predicted_frequency": self.predicted_frequency(up)})
+        return Decision(up, "raise",
+                        {**evidence, "predicted_frequency": self.predicted_frequency(up)})
     if self._since_change >= self.window:
       down = self._smallest_fitting(above=0.0)
       if down is not None and down < self.factor - 1e-9:

@@ -22,8 +22,8 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh
 
 import moe_hk
-from launch import attention as attention_lib
-from moe_hk import fallback, step_replay
+from launch import attention as attention_lib, overrides
+from moe_hk import step_mode
 
 
 class ModelOutput(NamedTuple):
@@ -46,36 +46,40 @@ REMAT_POLICIES = {
                                                                        "moe_out"),
 }
 
-# Keys of `config.moe` that configure the launcher (its MoE block, the buffer-factor
-# autopilot, the traffic recorder), not the `MoEConfig`.
-LAUNCHER_MOE_KEYS = ("shared_expert", "autotune_ragged_buffer_factor", "target_fallback_frequency",
-                     "memory_budget_gib", "autotune_window", "autotune_max_programs",
-                     "autotune_wait", "traffic_max_mib")
-# `MoEConfig` fields the launcher sets itself: the model's width and dtype.
-DERIVED_MOE_FIELDS = ("emb_dim", "dtype")
+# `MoEConfig` fields the launcher derives from its other keys: the model's width and compute
+# dtype, and `record_traffic` from `config.traffic.record`.
+DERIVED_MOE_FIELDS = ("emb_dim", "dtype", "record_traffic")
+# The layer's host callbacks, which `config.moe_metrics=False` needs off.
+CALLBACK_FIELDS = ("emit_fallback_events", "stream_step_stats")
 
 
 def moe_config_keys() -> tuple[str, ...]:
-  """The valid keys of `config.moe`: the settable `MoEConfig` fields and the launcher's own."""
+  """The valid keys of `config.moe`: the `MoEConfig` fields the launcher does not derive."""
   fields = [f.name for f in dataclasses.fields(moe_hk.MoEConfig)]
-  return tuple(f for f in fields if f not in DERIVED_MOE_FIELDS) + LAUNCHER_MOE_KEYS
+  return tuple(f for f in fields if f not in DERIVED_MOE_FIELDS)
 
 
 def moe_config(config: ml_collections.ConfigDict) -> moe_hk.MoEConfig:
-  """The MoE layer settings of a model config: `config.moe`'s `MoEConfig` fields, with the
-  model's `emb_dim` and `dtype`; `config.moe_metrics=False` turns the layer's callbacks off.
-  A key that is no MoE setting is a ValueError naming the closest valid ones."""
+  """The MoE layer settings of a model config: `config.moe`'s fields, with the model's
+  `emb_dim` and `dtype` and `config.traffic.record`. A key that is no MoE setting is a
+  ValueError naming where it moved or the closest valid ones; so is `config.moe_metrics=False`
+  with a layer callback on."""
   valid = moe_config_keys()
   for key in config.moe:
+    if f"moe.{key}" in overrides.MOVED_KEYS:
+      raise ValueError(f"config.moe.{key} moved to config.{overrides.MOVED_KEYS['moe.' + key]}.")
     if key not in valid:
       close = difflib.get_close_matches(key, valid, n=3, cutoff=0.5)
       raise ValueError(f"config.moe.{key} is not a MoE setting" +
                        (f"; did you mean {', '.join('config.moe.' + c for c in close)}?"
                         if close else f"; valid keys: {', '.join(valid)}."))
-  fields = {k: v for k, v in config.moe.items() if k not in LAUNCHER_MOE_KEYS}
-  if not config.moe_metrics:
-    fields.update(log_required_ragged_buffer_factor=False, emit_fallback_events=False)
-  return moe_hk.MoEConfig(**fields, emb_dim=config.emb_dim, dtype=config.dtype)
+  on = [f"config.moe.{name}=True" for name in CALLBACK_FIELDS if config.moe.get(name, False)]
+  if not config.moe_metrics and on:
+    raise ValueError(f"config.moe_metrics=False turns the MoE telemetry off but "
+                     f"{' and '.join(on)} would still call back to the host: set "
+                     f"{'it' if len(on) == 1 else 'them'} False as well.")
+  return moe_hk.MoEConfig(**config.moe, emb_dim=config.emb_dim, dtype=config.dtype,
+                          record_traffic=config.traffic.record)
 
 
 def dense(x: jax.Array, features: int, name: str) -> jax.Array:
@@ -127,19 +131,15 @@ class Transformer(hk.Module):
   """Tokens `[B, S]` int -> `ModelOutput`.
 
   MoE blocks label their metric events with `step` and their ordinal among MoE blocks. In
-  'step' fallback mode the layer stack carries `moe_hk.step_replay`'s flag beside the
-  activations, so every MoE layer after an overflow runs dropless. `chunk_loop` replaces the
-  MoE fallback's chunk loop (only `launch.aot` does, to measure the unrolled loop the scan is
-  compared with).
+  'step' fallback mode the layer stack carries `moe_hk.step_mode`'s flag beside the
+  activations, so every MoE layer after an overflow runs dropless.
   """
 
-  def __init__(self, config: ml_collections.ConfigDict, mesh: Mesh,
-               chunk_loop: fallback.ChunkLoop = fallback.scan_chunks, name=None):
+  def __init__(self, config: ml_collections.ConfigDict, mesh: Mesh, name=None):
     super().__init__(name=name)
     self.config = config
     self.mesh = mesh
     self.moe_config = moe_config(config)
-    self.chunk_loop = chunk_loop
 
   def _group(self, x: jax.Array, after_overflow: jax.Array | None, moe_index: jax.Array,
              step: jax.Array | None) -> tuple[jax.Array, moe_hk.MoEStats]:
@@ -152,12 +152,11 @@ class Transformer(hk.Module):
         x = x + attention(rms_norm(x, "attention_norm"), c, self.mesh)
         h = rms_norm(x, "mlp_norm")
         if i == c.moe_every - 1:
-          layer = moe_hk.MoELayer(self.moe_config, self.mesh, chunk_loop=self.chunk_loop,
-                                  name="moe")
+          layer = moe_hk.MoELayer(self.moe_config, self.mesh, name="moe")
           y, stats = layer(h, step=step, layer_index=moe_index, return_stats=True,
                            after_overflow=after_overflow)
           y = checkpoint_name(y, "moe_out")
-          if c.moe.shared_expert:
+          if c.shared_expert:
             with hk.name_scope("shared_expert"):
               y = y + swiglu(h, c.moe.mlp_dim)
         else:
@@ -173,7 +172,7 @@ class Transformer(hk.Module):
     def group(carry, index):
       x_, after = carry
       x_, stats = self._group(x_, after, index, step)
-      return (x_, None if after is None else step_replay.overflowed(after, stats)), stats
+      return (x_, None if after is None else step_mode.overflowed(after, stats)), stats
     policy = REMAT_POLICIES[c.remat_policy]
     if policy is not None:
       group = hk.remat(group, policy=policy)

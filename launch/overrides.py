@@ -17,6 +17,21 @@ import ml_collections
 
 from launch.errors import UserError
 
+# Keys of the launcher's config that moved (old path -> new path), each refused with a line
+# naming the new one.
+MOVED_KEYS = {
+    "moe.autotune_ragged_buffer_factor": "autopilot.enabled",
+    "moe.target_fallback_frequency": "autopilot.target_fallback_frequency",
+    "moe.memory_budget_gib": "autopilot.memory_budget_gib",
+    "moe.autotune_window": "autopilot.window",
+    "moe.autotune_max_programs": "autopilot.max_programs",
+    "moe.autotune_wait": "autopilot.wait",
+    "moe.record_traffic": "traffic.record",
+    "moe.traffic_max_mib": "traffic.max_mib",
+    "moe.shared_expert": "shared_expert",
+    "moe.log_required_ragged_buffer_factor": "moe.stream_step_stats",
+}
+
 # The config files that ship with the launcher, wherever the command runs.
 CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
 
@@ -59,6 +74,9 @@ def unknown_override(argv: Sequence[str], config: ml_collections.ConfigDict,
     if not arg.startswith(f"--{flag}."):
       continue
     path = arg[len(flag) + 3:].split("=", 1)[0].split(".")
+    dotted = ".".join(path)
+    if dotted in MOVED_KEYS:
+      return f"--{flag}.{dotted}: this key moved to --{flag}.{MOVED_KEYS[dotted]}."
     node = config
     for depth, key in enumerate(path):
       if not isinstance(node, ml_collections.ConfigDict) or key not in node:

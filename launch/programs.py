@@ -36,10 +36,10 @@ def compiler(config: ml_collections.ConfigDict, mesh: Mesh, steps: Steps
 
 
 def memory_budget_bytes(config: ml_collections.ConfigDict, mesh: Mesh) -> int | None:
-  """`config.moe.memory_budget_gib` if set, else the device's memory on TPU/GPU; None on CPU
-  without a set budget."""
-  if config.moe.memory_budget_gib > 0:
-    return int(config.moe.memory_budget_gib * 1024 ** 3)
+  """`config.autopilot.memory_budget_gib` if set, else the device's memory on TPU/GPU; None
+  on CPU without a set budget."""
+  if config.autopilot.memory_budget_gib > 0:
+    return int(config.autopilot.memory_budget_gib * 1024 ** 3)
   device = mesh.devices.flat[0]
   if device.platform == "cpu":
     return None

@@ -3,7 +3,7 @@
 Shared by the training loop (`launch.trainer`) and the AOT compiler (`launch.aot`), so both
 compile exactly the same step: params and Adam state sharded FSDP-style (`launch.sharding`),
 the batch `[B, S + 1]` sharded over every mesh axis, the state donated (in every MoE fallback
-mode: `'step'` runs in the same single pass, `moe_hk.step_replay`).
+mode: `'step'` runs in the same single pass, `moe_hk.step_mode`).
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from launch import sharding
 from launch.model import Transformer, cross_entropy, moe_config
-from moe_hk import fallback, step_replay
+from moe_hk import step_mode as step_mode_lib
 
 
 class TrainState(NamedTuple):
@@ -79,24 +79,22 @@ def loss_fn(model: hk.Transformed, config, params, batch, step):
   return ce + aux, (ce, out.moe_stats)
 
 
-def _transformed(config, mesh: Mesh, chunk_loop) -> hk.Transformed:
-  return hk.transform(lambda tokens, step: Transformer(
-      config, mesh, chunk_loop=chunk_loop, name="model")(tokens, step))
+def _transformed(config, mesh: Mesh) -> hk.Transformed:
+  return hk.transform(lambda tokens, step: Transformer(config, mesh, name="model")(tokens, step))
 
 
-def make_steps(config: ml_collections.ConfigDict, mesh: Mesh,
-               chunk_loop: fallback.ChunkLoop = fallback.scan_chunks) -> Steps:
+def make_steps(config: ml_collections.ConfigDict, mesh: Mesh) -> Steps:
   """Builds the jitted steps; the train step donates the state. Its outputs hold `skipped`
   (bool scalar: the loss or gradient norm was not finite; with `config.skip_nonfinite_steps`
   the step then left params and optimizer state unchanged). In
   `moe.moe_dropless_fallback='step'` mode a step in which a MoE layer overflowed runs every
-  MoE layer from that one on the chunked dropless path (`moe_hk.step_replay`); its outputs
-  then hold `replayed` (bool scalar)."""
+  MoE layer from that one on the chunked dropless path (`moe_hk.step_mode`); its outputs
+  then hold `dropless` (bool scalar: the step ran dropless from an overflowing layer on)."""
   layer_config = moe_config(config)
   step_mode = layer_config.moe_dropless_fallback == "step"
   tx, schedule = make_optimizer(config)
   batch_sharding = NamedSharding(mesh, P(tuple(mesh.axis_names)))
-  model = _transformed(config, mesh, chunk_loop)
+  model = _transformed(config, mesh)
 
   def init(rng):
     tokens = jnp.zeros((config.data.batch_size, config.data.seq_len), jnp.int32)
@@ -110,7 +108,7 @@ def make_steps(config: ml_collections.ConfigDict, mesh: Mesh,
     loss = functools.partial(loss_fn, model, config)
     (total, (ce, stats)), gradients = jax.value_and_grad(loss, has_aux=True)(
         state.params, batch, state.step)
-    extra = {"replayed": step_replay.any_overflow(stats)} if step_mode else {}
+    extra = {"dropless": step_mode_lib.any_overflow(stats)} if step_mode else {}
     grad_norm = optax.tree.norm(gradients)
     updates, opt_state = tx.update(gradients, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)

@@ -94,22 +94,22 @@ def validate(config: ml_collections.ConfigDict, devices: int | None = None) -> N
     _require(config[name] >= 0 and (config[name] == 0 or seq % config[name] == 0),
              f"config.{name}={config[name]} must be 0 (whole sequence) or a divisor of "
              f"config.data.seq_len={seq}.")
-  if config.moe.autotune_ragged_buffer_factor:
+  pilot = config.autopilot
+  if pilot.enabled:
     _require(layer.moe_dropless_fallback != "none" and layer.capped,
-             "config.moe.autotune_ragged_buffer_factor=True needs a capped buffer "
-             "(ragged_buffer_factor > 0) and a fallback (config.moe.moe_dropless_fallback "
-             f"'layer' or 'step', not {layer.moe_dropless_fallback!r}): a lower factor would "
-             "otherwise drop rows.")
-    _require(0 < config.moe.target_fallback_frequency < 1,
-             f"config.moe.target_fallback_frequency={config.moe.target_fallback_frequency} "
+             "config.autopilot.enabled=True needs a capped buffer (ragged_buffer_factor > 0) "
+             "and a fallback (config.moe.moe_dropless_fallback 'layer' or 'step', not "
+             f"{layer.moe_dropless_fallback!r}): a lower factor would otherwise drop rows.")
+    _require(0 < pilot.target_fallback_frequency < 1,
+             f"config.autopilot.target_fallback_frequency={pilot.target_fallback_frequency} "
              "must be in (0, 1).")
-    _require(config.moe.autotune_window >= 4,
-             f"config.moe.autotune_window={config.moe.autotune_window} must be >= 4.")
-    _require(config.moe.autotune_max_programs >= 1,
-             f"config.moe.autotune_max_programs={config.moe.autotune_max_programs} must be "
-             ">= 1.")
-  for name in ("memory_budget_gib", "traffic_max_mib"):
-    _require(config.moe[name] >= 0, f"config.moe.{name}={config.moe[name]} must be >= 0.")
+    _require(pilot.window >= 4, f"config.autopilot.window={pilot.window} must be >= 4.")
+    _require(pilot.max_programs >= 1,
+             f"config.autopilot.max_programs={pilot.max_programs} must be >= 1.")
+  _require(pilot.memory_budget_gib >= 0,
+           f"config.autopilot.memory_budget_gib={pilot.memory_budget_gib} must be >= 0.")
+  _require(config.traffic.max_mib >= 0,
+           f"config.traffic.max_mib={config.traffic.max_mib} must be >= 0.")
   _require(config.max_consecutive_nonfinite >= 1,
            f"config.max_consecutive_nonfinite={config.max_consecutive_nonfinite} must be >= 1.")
   for name in ("train_steps", "eval_every", "checkpoint_every", "log_every", "learning_rate"):
@@ -164,7 +164,7 @@ class _Totals:
 class _Reporter:
   """Fetches pending steps' outputs from the device in one transfer and writes every step's
   points: training scalars always; the MoE telemetry when `config.moe_metrics`; the routed
-  traffic to `WORKDIR/traffic` (process 0) when `config.moe.record_traffic`; feeds the
+  traffic to `WORKDIR/traffic` (process 0) when `config.traffic.record`; feeds the
   autopilot, if any; prints the interval's progress line."""
 
   def __init__(self, config, moe_metrics: metrics.MoEMetrics, tokens_per_step: int,
@@ -178,7 +178,7 @@ class _Reporter:
     self.console = console
     self.losses: list[float] = []
     self.totals = _Totals()
-    self.replays = 0  # step mode: steps replayed so far (moe/step_replays)
+    self.dropless_steps = 0  # step mode: steps run dropless so far (moe/dropless_steps)
     self._since = time.perf_counter()
     self._compiled = False  # whether an interval after the one that compiled was timed
 
@@ -201,13 +201,12 @@ class _Reporter:
       extra["train/skipped_steps"] = totals.skipped
       if p is pending[-1]:
         extra["train/tokens_per_second"] = self.tokens_per_step * len(pending) / seconds
-      replayed = bool(out.get("replayed", False))
-      self.replays += replayed
+      self.dropless_steps += bool(out.get("dropless", False))
       if self.config.moe_metrics:
         extra["moe/ragged_buffer_factor"] = p.factor
-        self.moe_metrics.report_step(p.step, stats, attempt=int(replayed),
-                                     replays=self.replays if "replayed" in out else None,
-                                     extra_scalars=extra)
+        self.moe_metrics.report_step(
+            p.step, stats, dropless_steps=self.dropless_steps if "dropless" in out else None,
+            extra_scalars=extra)
       else:
         self.moe_metrics.writer.write_scalars(p.step, extra)
       if skipped:
@@ -241,21 +240,21 @@ class _Reporter:
 
 def _autopilot(config, mesh, steps: Steps, moe_metrics: metrics.MoEMetrics
                ) -> autopilot.Autopilot | None:
-  """The buffer-factor autopilot of `config.moe.autotune_ragged_buffer_factor`, or None."""
-  m = config.moe
-  if not m.autotune_ragged_buffer_factor:
+  """The buffer-factor autopilot of `config.autopilot`, or None when it is off."""
+  m, pilot = config.moe, config.autopilot
+  if not pilot.enabled:
     return None
   controller = autopilot.FactorController(
-      m.ragged_buffer_factor, target=m.target_fallback_frequency,
+      m.ragged_buffer_factor, target=pilot.target_fallback_frequency,
       worst_case=metrics.worst_case_factor(m.num_experts, m.num_experts_per_tok,
                                            config.mesh[m.expert_axis]),
-      window=m.autotune_window)
+      window=pilot.window)
   cache = autopilot.ProgramCache(programs.compiler(config, mesh, steps),
                                  budget_bytes=programs.memory_budget_bytes(config, mesh),
-                                 max_programs=m.autotune_max_programs)
+                                 max_programs=pilot.max_programs)
   def on_change(step, old, new, decision):
     moe_metrics.alerts.factor_changed(step, old, new, decision.reason, decision.evidence)
-  return autopilot.Autopilot(controller, cache, on_change=on_change, wait=m.autotune_wait)
+  return autopilot.Autopilot(controller, cache, on_change=on_change, wait=pilot.wait)
 
 
 def _check_workdir(workdir: str) -> None:
@@ -289,7 +288,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
 
   The host runs ahead of the device: step outputs stay on the device and are fetched every
   `config.log_every` steps (and before an eval, a checkpoint or a stop), each step still
-  getting its own TensorBoard points. With `config.moe.autotune_ragged_buffer_factor` the
+  getting its own TensorBoard points. With `config.autopilot.enabled` the
   autopilot swaps in programs for other buffer factors at step boundaries. A user's mistake
   found before compiling (config, workdir, data) raises `UserError`, as do a failed checkpoint
   write and `config.max_consecutive_nonfinite` skipped steps in a row (after a checkpoint).
@@ -320,7 +319,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     return []
   state = steps.init(jax.random.key(config.seed)) if restored is None else restored.state
   m = config.moe
-  worst = metrics.worst_case_factor(m.num_experts, m.num_experts_per_tok, config.mesh[m.expert_axis])
+  worst = metrics.worst_case_factor(m.num_experts, m.num_experts_per_tok,
+                                    config.mesh[m.expert_axis])
   batch_rows = config.data.batch_size
   preemption = _Preemption()
   pilot = None
@@ -346,8 +346,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
       recorder = (traffic.TrafficRecorder(
           workdir, expert_shards=config.mesh[m.expert_axis], k=m.num_experts_per_tok,
           tokens_per_device=batch_rows * config.data.seq_len // jax.device_count(),
-          max_bytes=m.traffic_max_mib * 1024 ** 2)
-          if m.record_traffic and jax.process_index() == 0 else None)
+          max_bytes=config.traffic.max_mib * 1024 ** 2)
+          if config.traffic.record and jax.process_index() == 0 else None)
       reporter = _Reporter(config, moe_metrics, batch_rows * config.data.seq_len, recorder, pilot,
                            console)
       totals = reporter.totals

@@ -3,10 +3,9 @@
 Stats arrive by two routes: the train step's returned `MoEStats`, fetched by the trainer every
 few steps (`add`), and layer events from `jax.debug.callback` on arbitrary threads (`__call__`),
 with duplicates: another copy when a rematerialised forward is recomputed under grad, one per
-process in multi-process runs. Every copy of one (step, layer, attempt) carries the same global
-stats, whichever route brought it, so the first is kept and later copies only add their shard
-to the record's set of reporters. A step-mode replay (attempt 1) replaces the discarded
-attempt's records. Memory is bounded: at most `max_open_steps` unfinished steps and fixed-size
+process in multi-process runs. Every copy of one (step, layer) carries the same global stats,
+whichever route brought it, so the first is kept and later copies only add their process to
+the record's set of reporters. Memory is bounded: at most `max_open_steps` unfinished steps and fixed-size
 trailing windows; the windows are saved with checkpoints (`state_dict`).
 """
 from __future__ import annotations
@@ -22,7 +21,6 @@ from moe_hk.events import FALLBACK_EVENT, LayerEvent
 
 class LayerRecord(NamedTuple):
   """One MoE layer in one step, deduplicated."""
-  attempt: int
   fallback: bool
   required_factor: float
   would_drop_rows: int
@@ -30,7 +28,7 @@ class LayerRecord(NamedTuple):
   routed_rows: int
   tokens_per_expert: np.ndarray  # [E]
   nonfinite_tokens: int          # tokens with non-finite router logits, routed to no expert
-  shards: frozenset              # processes whose reports arrived
+  processes: frozenset           # processes whose reports arrived
   fallback_chunks: int           # chunks the fallback ran (0 if it did not)
   router_entropy: float          # mean router entropy (nats)
   lb_loss: float                 # weighted load-balance loss
@@ -69,18 +67,17 @@ class StepMetrics(NamedTuple):
   dropped_rows_fraction: float   # dropped rows / routed rows, over layers
   fallback_frequency: float      # fraction of the trailing window's steps with a fallback
   recommended_factor: float      # quantile of the trailing window's required factors
-  replayed: bool                 # the step's records come from a step-mode replay
 
 
-def layer_record(stats, *, attempt: int, shard: int) -> LayerRecord:
+def layer_record(stats, *, process: int) -> LayerRecord:
   """A record from one layer's `MoEStats` of one step (numpy or device values)."""
   s = stats
   return LayerRecord(
-      attempt=attempt, fallback=bool(s.fallback), required_factor=float(s.required_factor),
+      fallback=bool(s.fallback), required_factor=float(s.required_factor),
       would_drop_rows=int(s.would_drop_rows), dropped_rows=int(s.dropped_rows),
       routed_rows=int(np.sum(s.tokens_per_expert)),
       tokens_per_expert=np.asarray(s.tokens_per_expert),
-      nonfinite_tokens=int(s.nonfinite_tokens), shards=frozenset([shard]),
+      nonfinite_tokens=int(s.nonfinite_tokens), processes=frozenset([process]),
       fallback_chunks=int(s.fallback_chunks), router_entropy=float(s.router_entropy),
       lb_loss=float(s.lb_loss), z_loss=float(s.z_loss),
       receiver_overflow_rows=np.asarray(s.receiver_overflow_rows))
@@ -106,13 +103,13 @@ class Aggregator:
     self.evicted_steps = 0    # unfinished steps dropped to bound memory
 
   def __call__(self, event: LayerEvent) -> None:
-    record = layer_record(event.stats, attempt=event.attempt, shard=event.shard)
+    record = layer_record(event.stats, process=event.process)
     if event.name == FALLBACK_EVENT:
       record = record._replace(fallback=True)
     self.add(event.step, event.layer, record)
 
   def add(self, step: int, layer: int, record: LayerRecord) -> None:
-    """Files one layer's record of `step` (a duplicate only adds its shards)."""
+    """Files one layer's record of `step` (a duplicate only adds its processes)."""
     with self._lock:
       if step <= self._finished_through:
         self.late_events += 1
@@ -124,10 +121,8 @@ class Aggregator:
           self.evicted_steps += 1
         layers = self._open[step] = {}
       old = layers.get(layer)
-      if old is None or record.attempt > old.attempt:
-        layers[layer] = record
-      elif record.attempt == old.attempt:
-        layers[layer] = old._replace(shards=old.shards | record.shards)
+      layers[layer] = record if old is None else old._replace(
+          processes=old.processes | record.processes)
 
   def finish_step(self, step: int) -> StepMetrics | None:
     """Closes `step` (call after its outputs are ready and `jax.effects_barrier()`), updates
@@ -152,8 +147,7 @@ class Aggregator:
           lb_loss=sum(r.lb_loss for r in records), z_loss=sum(r.z_loss for r in records),
           required_factor=required,
           dropped_rows_fraction=sum(r.dropped_rows for r in records) / max(routed, 1),
-          fallback_frequency=frequency, recommended_factor=recommended,
-          replayed=any(r.attempt > 0 for r in records))
+          fallback_frequency=frequency, recommended_factor=recommended)
 
   def _summary(self, fell_back=None, factors=None) -> tuple[float, float]:
     """(fallback frequency, recommended factor) of the trailing windows (or of the given)."""

@@ -116,8 +116,7 @@ class AlertManager:
     m = StepMetrics(step=step, layers={layer: record}, fallback_layers=1,
                     lb_loss=record.lb_loss, z_loss=record.z_loss,
                     required_factor=record.required_factor, dropped_rows_fraction=0.0,
-                    fallback_frequency=frequency, recommended_factor=recommended_factor,
-                    replayed=record.attempt > 0)
+                    fallback_frequency=frequency, recommended_factor=recommended_factor)
     with self._lock:
       return self._fire(m, "fallback_ran", [layer])
 

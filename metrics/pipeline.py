@@ -4,7 +4,7 @@ Two ways to feed it. A train step that returns its MoE layers' stats (the launch
 over with `report_step`, as many steps at a time as it fetched from the device, so the host
 never waits for the device in between; `end_interval` then writes the `moe/expert_load` image
 and flushes. A loop over bare layers that stream their stats through callbacks
-(`MoEConfig.log_required_ragged_buffer_factor`) calls `end_step` after each step instead, which
+(`MoEConfig.stream_step_stats`) calls `end_step` after each step instead, which
 waits for the step's callbacks. Either way, a layer's fallback event raises the
 `fallback_ran` alert as soon as it reaches the host.
 """
@@ -17,7 +17,7 @@ import numpy as np
 
 from metrics.aggregator import Aggregator, StepMetrics, layer_record
 from metrics.alerts import Alert, AlertConfig, AlertManager
-from metrics.writer import STEP_REPLAYS_TAG, MoEMetricsWriter
+from metrics.writer import DROPLESS_STEPS_TAG, MoEMetricsWriter
 from moe_hk import events
 
 
@@ -62,23 +62,23 @@ class MoEMetrics:
     """Callback sink: files the event; a fallback event alerts at once."""
     self.aggregator(event)
     if event.name == events.FALLBACK_EVENT:
-      record = layer_record(event.stats, attempt=event.attempt, shard=event.shard)
+      record = layer_record(event.stats, process=event.process)
       frequency, recommended = self.aggregator.summary_with_fallback(record.required_factor)
       self.alerts.check_fallback(event.step, event.layer, record._replace(fallback=True),
                                  frequency=frequency, recommended_factor=recommended)
 
-  def report_step(self, step: int, stats: Any, *, attempt: int = 0,
-                  replays: int | None = None,
+  def report_step(self, step: int, stats: Any, *, dropless_steps: int | None = None,
                   extra_scalars: Mapping[str, float] | None = None) -> StepMetrics | None:
-    """Files the stats a train step returned (`MoEStats`, numpy, fields `[layers, ...]`;
-    `attempt` 1 for a step-mode replay), finishes the step, writes it, runs the alerts."""
-    shard = jax.process_index()
+    """Files the stats a train step returned (`MoEStats`, numpy, fields `[layers, ...]`),
+    finishes the step, writes it (with step mode's running count `dropless_steps`), runs the
+    alerts."""
+    process = jax.process_index()
     for layer in range(np.shape(stats.fallback)[0]):
       one = type(stats)(*(np.asarray(field)[layer] for field in stats))
-      self.aggregator.add(step, layer, layer_record(one, attempt=attempt, shard=shard))
+      self.aggregator.add(step, layer, layer_record(one, process=process))
     load = np.asarray(stats.tokens_per_expert, np.int64)
     self._interval_load = load if self._interval_load is None else self._interval_load + load
-    return self._finish(step, replays, extra_scalars)
+    return self._finish(step, dropless_steps, extra_scalars)
 
   def end_interval(self, step: int) -> None:
     """Writes the `moe/expert_load` image of the rows reported since the last call, at
@@ -88,20 +88,20 @@ class MoEMetrics:
       self._interval_load = None
     self.writer.flush()
 
-  def end_step(self, step: int, *, replays: int | None = None,
+  def end_step(self, step: int, *, dropless_steps: int | None = None,
                extra_scalars: Mapping[str, float] | None = None) -> StepMetrics | None:
     """Callback route: waits for the step's callbacks, then writes it and runs the alerts."""
     jax.effects_barrier()
-    return self._finish(step, replays, extra_scalars)
+    return self._finish(step, dropless_steps, extra_scalars)
 
-  def _finish(self, step, replays, extra_scalars) -> StepMetrics | None:
+  def _finish(self, step, dropless_steps, extra_scalars) -> StepMetrics | None:
     m = self.aggregator.finish_step(step)
     if m is not None:
-      self.writer.write_step(m, replays=replays, extra=extra_scalars)
+      self.writer.write_step(m, dropless_steps=dropless_steps, extra=extra_scalars)
       self.alerts.check(m)
-    elif extra_scalars or replays is not None:  # no layer reported: still log the step
+    elif extra_scalars or dropless_steps is not None:  # no layer reported: still log the step
       self.writer.write_scalars(step, {**(extra_scalars or {}), **(
-          {} if replays is None else {STEP_REPLAYS_TAG: replays})})
+          {} if dropless_steps is None else {DROPLESS_STEPS_TAG: dropless_steps})})
     return m
 
   def close(self) -> None:

@@ -131,7 +131,7 @@ def read_traffic(workdir: str) -> Traffic:
   if not parts:
     what = f"readable traffic ({_files(len(paths))} skipped)" if paths else "recorded traffic"
     raise ValueError(f"{folder} holds no {what}: run `python -m launch.train "
-                     f"--workdir={workdir}` (with config.moe.record_traffic=True, the default) "
+                     f"--workdir={workdir}` (with config.traffic.record=True, the default) "
                      "first.")
   parts = _same_config(parts)
   return _merged(list(parts.values()), skipped=tuple(p for p in paths if p not in parts))

@@ -14,7 +14,8 @@ Tags (docs/metrics.md; `<i>` is the 0-based ordinal among MoE layers):
   moe/fallback_chunks/layer_<i>               chunks the fallback ran (0: it did not run)
   moe/nonfinite_tokens/layer_<i>              tokens whose router logits were not finite
                                               (routed to no expert, output NaN)
-  moe/step_replays                            step-mode replays so far
+  moe/dropless_steps                          step mode: steps so far that ran dropless from
+                                              their first overflowing layer on
   moe/tokens_per_expert/layer_<i>             histogram of rows per expert
   moe/expert_load                             image: MoE layers x experts, rows over the fair
                                               share over a log interval (grey = fair share)
@@ -44,7 +45,7 @@ DEAD_EXPERTS_TAG = "moe/dead_experts"
 ROUTER_ENTROPY_TAG = "moe/router_entropy"
 FALLBACK_CHUNKS_TAG = "moe/fallback_chunks"
 NONFINITE_TOKENS_TAG = "moe/nonfinite_tokens"
-STEP_REPLAYS_TAG = "moe/step_replays"
+DROPLESS_STEPS_TAG = "moe/dropless_steps"
 TOKENS_PER_EXPERT_TAG = "moe/tokens_per_expert"
 EXPERT_LOAD_TAG = "moe/expert_load"
 # moe/expert_load: each (layer, expert) cell is a square of this many pixels; its grey level
@@ -109,11 +110,11 @@ class MoEMetricsWriter:
   def write_hparams(self, hparams: Mapping[str, Any]) -> None:
     self._writer.write_hparams(dict(hparams))
 
-  def write_step(self, m: StepMetrics, replays: int | None = None,
+  def write_step(self, m: StepMetrics, dropless_steps: int | None = None,
                  extra: Mapping[str, float] | None = None) -> None:
     scalars = step_scalars(m)
-    if replays is not None:
-      scalars[STEP_REPLAYS_TAG] = replays
+    if dropless_steps is not None:
+      scalars[DROPLESS_STEPS_TAG] = dropless_steps
     scalars.update(extra or {})
     self._writer.write_scalars(m.step, scalars)
     self._writer.write_histograms(

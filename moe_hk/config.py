@@ -63,7 +63,7 @@ class MoEConfig:
   expert_axis: str = "expert"         # Mesh axis the experts are sharded over.
   # Stream each step's stats (required factor, fallback, drops) to the host through
   # jax.debug.callback when the layer is given a step; the step returns them either way.
-  log_required_ragged_buffer_factor: bool = True
+  stream_step_stats: bool = True
   # Call back to the host from the branch that fell back (`moe_dropless_fallback_layers`
   # events) when the layer is given a step, so host alerts react at once.
   emit_fallback_events: bool = True

@@ -6,12 +6,12 @@ its shard_map, so one callback per step and layer, not one per device:
 * `FALLBACK_EVENT` (`moe_dropless_fallback_layers`), from the branch that fell back, only when
   it runs (`MoEConfig.emit_fallback_events`): the host learns of an overflow at once, while
   the step's stats wait on the device for the trainer's next fetch.
-* `CAPPED_EVENT`, with `MoEConfig.log_required_ragged_buffer_factor`: every step's stats also
+* `CAPPED_EVENT`, with `MoEConfig.stream_step_stats`: every step's stats also
   when nothing fell back, for users of the bare layer who have no train step returning them.
 
-A rematerialised forward calls back again when it is recomputed under grad, so events carry
-(step, layer, shard, attempt), shard being the reporting process, and the host keeps one
-record per (step, layer). Haiku `init` emits nothing (the module passes no step). Each
+A rematerialised forward calls back again when it is recomputed under grad, and every process
+reports, so events carry (step, layer, process) and the host keeps one record per
+(step, layer). Haiku `init` emits nothing (the module passes no step). Each
 callback carries two packed vectors (ints, floats): fewer host transfers per event.
 
 `moe_hk` imports nothing outside itself: the host side (`metrics`) registers a sink.
@@ -35,8 +35,7 @@ class LayerEvent(NamedTuple):
   name: str          # FALLBACK_EVENT or CAPPED_EVENT.
   step: int
   layer: int         # 0-based ordinal among the model's MoE layers.
-  shard: int         # The reporting process (jax.process_index()).
-  attempt: int       # 1 = 'step' mode ran this layer dropless (an overflow here or before), else 0.
+  process: int       # The reporting process (jax.process_index()).
   stats: tuple       # The layer's global `moe_hk.MoEStats` for the step, as numpy arrays.
 
 
@@ -69,26 +68,26 @@ def _pack(labels: list, stats: tuple) -> tuple[tuple, jax.Array, jax.Array]:
 
 def _deliver(name: str, stats_type: type, layout: tuple, ints, floats) -> None:
   ints, floats = np.asarray(ints), np.asarray(floats)
-  step, layer, shard, attempt = (int(v) for v in ints[:4])
-  cursor, fields = {False: 4, True: 0}, []
+  step, layer, process = (int(v) for v in ints[:3])
+  cursor, fields = {False: 3, True: 0}, []
   for is_float, shape in layout:
     size, source = int(np.prod(shape)), floats if is_float else ints
     fields.append(source[cursor[is_float]:cursor[is_float] + size].reshape(shape))
     cursor[is_float] += size
-  event = LayerEvent(name, step, layer, shard, attempt, stats_type(*fields))
+  event = LayerEvent(name, step, layer, process, stats_type(*fields))
   with _sinks_lock:
     sinks = list(_sinks)
   for sink in sinks:
     sink(event)
 
 
-def emit_layer_event(stats: tuple, *, step: jax.Array, layer: jax.Array, shard: int,
-                     attempt: jax.Array | int, every_step: bool, can_fall_back: bool) -> None:
+def emit_layer_event(stats: tuple, *, step: jax.Array, layer: jax.Array, process: int,
+                     every_step: bool, can_fall_back: bool) -> None:
   """Calls back to the host with this layer's `MoEStats`: a `FALLBACK_EVENT` when
   `stats.fallback` is set, and, if `every_step`, a `CAPPED_EVENT` otherwise. A layer that
   cannot fall back (`can_fall_back` False: no fallback built, e.g. the worst-case buffer)
   sends its `CAPPED_EVENT` without a cond."""
-  layout, ints, floats = _pack([step, layer, jnp.int32(shard), jnp.int32(attempt)], stats)
+  layout, ints, floats = _pack([step, layer, jnp.int32(process)], stats)
   def send(name):
     return lambda: jax.debug.callback(functools.partial(_deliver, name, type(stats), layout),
                                       ints, floats)

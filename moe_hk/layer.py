@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 
-from moe_hk import fallback, mesh as mesh_lib
+from moe_hk import mesh as mesh_lib
 from moe_hk.config import MoEConfig
 from moe_hk.sharded import MoEParams, moe_forward, param_specs
 from moe_hk.stats import MoEStats
@@ -49,15 +49,12 @@ class MoELayer(hk.Module):
   expert weights sharded over `config.expert_axis`. By default the step's `MoEStats` go to
   Haiku state under `stats` (use `hk.transform_with_state`); `return_stats=True` returns
   `(y, stats)` instead and touches no state, for `hk.layer_stack`, which refuses state.
-  `chunk_loop` runs the dropless fallback's chunks (benchmarks swap in an unrolled loop).
   """
 
-  def __init__(self, config: MoEConfig, mesh: Mesh,
-               chunk_loop: fallback.ChunkLoop = fallback.scan_chunks, name: str | None = None):
+  def __init__(self, config: MoEConfig, mesh: Mesh, name: str | None = None):
     super().__init__(name=name)
     self.config = config
     self.mesh = mesh
-    self.chunk_loop = chunk_loop
 
   def __call__(self, x: jax.Array, *, step: jax.Array | None = None,
                layer_index: jax.Array | None = None, return_stats: bool = False,
@@ -66,7 +63,7 @@ class MoELayer(hk.Module):
     """`step` and `layer_index` (optional, may be traced) only label the metric events the
     layer streams to the host (none without `step`, none during `init`); `force_dropless`
     uses the worst-case buffer (no truncation, no fallback); `after_overflow` ('step' mode:
-    an earlier MoE layer of the step overflowed, see `moe_hk.step_replay`) runs the chunked
+    an earlier MoE layer of the step overflowed, see `moe_hk.step_mode`) runs the chunked
     dropless path."""
     # Before any parameter exists: a mesh that does not fit must fail with the project's
     # ValueError, not with jax's sharding errors from the initializers.
@@ -75,7 +72,7 @@ class MoELayer(hk.Module):
     params = _get_params(self.config, self.mesh)
     y, stats = moe_forward(params, x, config=self.config, mesh=self.mesh,
                            step=None if hk.running_init() else step, layer_index=layer_index,
-                           force_dropless=force_dropless, chunk_loop=self.chunk_loop,
+                           force_dropless=force_dropless,
                            after_overflow=after_overflow)
     if return_stats:
       return y, stats

@@ -39,22 +39,20 @@ class ShardStats(NamedTuple):
 
 def moe_shard(x: jax.Array, router_w: jax.Array, experts: ExpertWeights, *, config: MoEConfig,
               backends: Backends, mesh_axes: tuple[str, ...], force_dropless: bool = False,
-              chunk_loop: fallback.ChunkLoop = fallback.scan_chunks,
-              ladder: fallback.Ladder = fallback.traffic_ladder,
               after_overflow: jax.Array | None = None
               ) -> tuple[jax.Array, ShardStats]:
   """`x [B, S, D]` -> `(y [B, S, D], ShardStats)` on one shard.
 
   Picks, statically, one of: the worst-case buffer (`force_dropless`); the capped path behind
   an overflow check that falls back to the chunked dropless path (`moe_dropless_fallback`
-  'layer' or 'step'; 'layer' with adaptive chunking falls back to the first rung of `ladder`
-  whose chunks fit, chosen at run time); or the capped path alone. In 'step' mode the check
-  also takes the chunked path when `after_overflow` (bool scalar, the same on every device)
-  says an earlier MoE layer of the step overflowed. `ladder` is `fallback.traffic_ladder` but
-  for benchmarks that compare ladders.
+  'layer' or 'step'; 'layer' with adaptive chunking falls back to the first rung of
+  `fallback.traffic_ladder` whose chunks fit, chosen at run time); or the capped path alone.
+  In 'step' mode the check also takes the chunked path when `after_overflow` (bool scalar, the
+  same on every device) says an earlier MoE layer of the step overflowed.
   """
   batch, seq, width = x.shape
   tokens, k = batch * seq, config.num_experts_per_tok
+  chunk_loop, ladder = fallback.traced_forms()
   shards = jax.lax.axis_size(config.expert_axis)
   local = config.num_experts // shards
   capped_rows = dispatch_plan.buffer_rows(shards, tokens, k, local, config.ragged_buffer_factor)

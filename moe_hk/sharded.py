@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
-from moe_hk import casting, fallback, mesh as mesh_lib
+from moe_hk import casting, mesh as mesh_lib
 from moe_hk.config import MoEConfig
 from moe_hk.ragged_path import Backends, ExpertWeights
 from moe_hk.shard_layer import ShardStats, builds_fallback, moe_shard
@@ -131,23 +131,18 @@ def _per_device(value: jax.Array, axes: tuple[str, ...], devices: int) -> jax.Ar
 def moe_forward(params: MoEParams, x: jax.Array, *, config: MoEConfig, mesh: Mesh,
                 step: jax.Array | int | None = None, layer_index: jax.Array | int | None = None,
                 force_dropless: bool = False,
-                chunk_loop: fallback.ChunkLoop = fallback.scan_chunks,
-                ladder: fallback.Ladder = fallback.traffic_ladder,
                 after_overflow: jax.Array | bool | None = None
                 ) -> tuple[jax.Array, MoEStats]:
   """The MoE layer as a pure function: `x [B, S, D]` -> `(y [B, S, D], MoEStats)`.
 
   The batch is sharded over every mesh axis. When `step` is given, the layer calls back to the
-  host with `moe_hk.events.LayerEvent`s labelled (step, layer_index or 0, process, attempt):
-  from the fallback branch (`config.emit_fallback_events`) and, with
-  `config.log_required_ragged_buffer_factor`, every step.
-  `force_dropless` runs the worst-case buffer (no truncation, no fallback). `chunk_loop` runs
-  the fallback's chunks and `ladder` lists the adaptive fallback's rungs (benchmarks swap in an
-  unrolled loop and the earlier ladder to compare). `after_overflow` (bool scalar, 'step' mode
-  only; `moe_hk.step_replay.overflowed` carries it from layer to layer) says that an earlier
-  MoE layer of this step overflowed: this layer then runs the chunked dropless path too, and
-  its events carry attempt 1. Raises `ValueError` for a mesh or input that does not fit (x
-  must be float32 or bfloat16).
+  host with `moe_hk.events.LayerEvent`s labelled (step, layer_index or 0, process): from the
+  fallback branch (`config.emit_fallback_events`) and, with `config.stream_step_stats`, every
+  step. `force_dropless` runs the worst-case buffer (no truncation, no fallback).
+  `after_overflow` (bool scalar, 'step' mode only; `moe_hk.step_mode.overflowed` carries it
+  from layer to layer) says that an earlier MoE layer of this step overflowed: this layer then
+  runs the chunked dropless path too. Raises `ValueError` for a mesh or input that does not
+  fit (x must be float32 or bfloat16).
   """
   mesh_lib.validate_mesh(config, mesh)
   mesh_lib.validate_input(config, mesh, x.shape, x.dtype)
@@ -166,8 +161,8 @@ def moe_forward(params: MoEParams, x: jax.Array, *, config: MoEConfig, mesh: Mes
   def shard_fn(x_local, after_local, router_w, wi_0, wi_1, wo):
     experts = _gather_fsdp(ExpertWeights(wi_0, wi_1, wo), mesh, config)
     y, local = moe_shard(x_local, router_w, experts, config=config, backends=backends,
-                         mesh_axes=axes, force_dropless=force_dropless, chunk_loop=chunk_loop,
-                         ladder=ladder, after_overflow=after_local if step_mode else None)
+                         mesh_axes=axes, force_dropless=force_dropless,
+                         after_overflow=after_local if step_mode else None)
     return y, reduce_stats(local, mesh, config)
 
   specs = param_specs(config, mesh)
@@ -176,13 +171,12 @@ def moe_forward(params: MoEParams, x: jax.Array, *, config: MoEConfig, mesh: Mes
   fn = jax.shard_map(shard_fn, mesh=mesh, in_specs=(batch, P(), *specs),
                      out_specs=(batch, stats_specs), check_vma=backends.gmm != "megablox")
   y, stats = fn(x, after, *params)
-  every_step = config.log_required_ragged_buffer_factor
+  every_step = config.stream_step_stats
   can_fall_back = not force_dropless and builds_fallback(
       config, shards=mesh.shape[config.expert_axis], tokens=x.shape[0] // mesh.size * x.shape[1])
   if step is not None and (every_step or (can_fall_back and config.emit_fallback_events)):
     # Outside shard_map: the stats are replicated, so one callback per step and layer (two
     # when a rematerialised forward is recomputed), not one per device.
-    emit_layer_event(stats, step=labels[0], layer=labels[1], shard=jax.process_index(),
-                     attempt=stats.fallback if step_mode else 0, every_step=every_step,
-                     can_fall_back=can_fall_back)
+    emit_layer_event(stats, step=labels[0], layer=labels[1], process=jax.process_index(),
+                     every_step=every_step, can_fall_back=can_fall_back)
   return y, stats

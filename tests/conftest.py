@@ -32,6 +32,7 @@ WORKER_GROUPS = (
     (r"tests/test_fallback_memory\.py::", "fallback_memory"),
     (r"tests/test_tpu_aot\.py::", "tpu_aot"),
     (r"tests/test_adaptive_fallback\.py::.*\b(all_to_all|ring)\]$", r"adaptive_\1"),
+    (r"tests/test_step_mode\.py::.*\b(all_to_all|ring)\]$", r"step_mode_\1"),
 )
 
 

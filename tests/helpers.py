@@ -67,14 +67,13 @@ def tiny_config(**overrides) -> ml_collections.ConfigDict:
 
 
 # Config keys the compiled steps never read (the loop's intervals, the host's data source, the
-# autopilot's and the traffic recorder's settings), per section ('' for the top level): runs
+# autopilot's section, the traffic recorder's size), per section ('' for the top level): runs
 # that differ only in them share their steps.
 HOST_ONLY_KEYS = {
     "": ("checkpoint_every", "checkpoints_to_keep", "eval_every", "eval_batches", "log_every",
-         "max_consecutive_nonfinite", "cpu_devices"),
+         "max_consecutive_nonfinite", "cpu_devices", "autopilot"),
     "data": ("source", "pattern", "max_bytes"),
-    "moe": ("autotune_ragged_buffer_factor", "target_fallback_frequency", "memory_budget_gib",
-            "autotune_window", "autotune_max_programs", "autotune_wait", "traffic_max_mib"),
+    "traffic": ("max_mib",),
 }
 
 

@@ -1,6 +1,8 @@
 """Parameters and inputs with controllable router skew, for layer tests."""
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -52,6 +54,14 @@ def dense_reference(k: int, score: str = "softmax", keep=None):
   def fn(params, x):
     return reference.reference_moe(tuple(params), x, k=k, score=score, keep=keep), None
   return fn
+
+
+@functools.partial(jax.jit, static_argnames=("k", "score"))
+def reference_outputs_and_grads(params, x, cotangent, keep=None, *, k: int,
+                                score: str = "softmax"):
+  """`outputs_and_grads` of `dense_reference(k, score, keep)`, compiled: one program per
+  shape instead of an eager dispatch (and compile) per primitive."""
+  return outputs_and_grads(dense_reference(k, score, keep), params, x, cotangent)
 
 
 def per_device_stats(config: MoEConfig, mesh: Mesh, params: MoEParams, x, fields: tuple[str, ...]):

@@ -60,7 +60,7 @@ def test_refused_factors_are_skipped_and_state_round_trips():
 
 
 @pytest.mark.parametrize("kw,pattern", [(dict(target=0.0), "target_fallback_frequency=0.0"),
-                                        (dict(window=2), "autotune_window=2")])
+                                        (dict(window=2), r"autopilot\.window=2")])
 def test_bad_settings(kw, pattern):
   with pytest.raises(ValueError, match=pattern):
     _controller(**kw)

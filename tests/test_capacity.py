@@ -376,7 +376,7 @@ def test_cli_without_readable_traffic_fails_in_one_line(tmp_path, caplog):
     run_main(f"--workdir={tmp_path}")
   assert str(raised.value) == (
       f"{tmp_path}/traffic holds no readable traffic (2 files skipped): run `python -m "
-      f"launch.train --workdir={tmp_path}` (with config.moe.record_traffic=True, the default) "
+      f"launch.train --workdir={tmp_path}` (with config.traffic.record=True, the default) "
       "first.")
   assert [w.split(": ")[0] for w in skip_warnings(caplog)] == [
       f"Skipping traffic file {path}" for path in bad]

@@ -8,7 +8,8 @@ import pytest
 
 import moe_hk
 from moe_hk import fallback
-from tests.moe_inputs import dense_reference, outputs_and_grads, per_device_stats, skewed_inputs
+from tests.moe_inputs import (dense_reference, outputs_and_grads, per_device_stats,
+                               reference_outputs_and_grads, skewed_inputs)
 from tests.tree_close import assert_trees_close, relative_error
 
 NUM_DEVICES = 8
@@ -30,7 +31,7 @@ def _layer(config, mesh, **kw):
 # (case, path, chunking, grouped matmul, extras): every case on both paths with fixed chunking
 # and the CPU backend; adaptive chunking on one case per path (tests/test_adaptive_fallback.py
 # is its subject); the megablox kernels (interpreted, slow) on two cases; `force_dropless` and
-# the step mode's layer on one case each (tests/test_step_replay.py covers step mode on both
+# the step mode's layer on one case each (tests/test_step_mode.py covers step mode on both
 # paths).
 _EXTRAS = {(OVERFLOW[0], False, "fixed"): ("force_dropless",),
            (OVERFLOW[3], True, "fixed"): ("step",)}
@@ -55,7 +56,7 @@ def test_layer_fallback_equals_dropless(ring, shards, experts, k, factor, seq, c
   run = lambda fn: jax.jit(functools.partial(outputs_and_grads, fn))(params, x, cot)
 
   y, stats, grads = run(_layer(config, mesh))
-  y_ref, _, grads_ref = outputs_and_grads(dense_reference(k), params, x, cot)
+  y_ref, _, grads_ref = reference_outputs_and_grads(params, x, cot, k=k)
   assert int(stats.would_drop_rows) > 0, "the case must really overflow the capped buffer"
   assert int(stats.fallback) == 1 and int(stats.dropped_rows) == 0
   assert_trees_close(y, y_ref, what="y")

@@ -1,4 +1,4 @@
-"""The launcher end to end: training, metrics and alerts, resume, SIGTERM, step replay, bf16,
+"""The launcher end to end: training, metrics and alerts, resume, SIGTERM, step mode, bf16,
 two processes over gloo, and clear errors for bad flags and configs."""
 import contextlib
 import dataclasses
@@ -179,27 +179,30 @@ def test_resumed_run_matches_uninterrupted_run(tmp_path):
 
 
 @pytest.mark.slow
-def test_step_replay_mode_matches_layer_fallback(baseline, tmp_path):
-  """All-to-all path (the ring's is tested at the layer, tests/test_step_replay.py): the step
-  that replays itself dropless when it overflowed, its state donated, gives the loss curve of
-  the in-layer fallback (both are the dropless model), a step is replayed exactly when the
-  layer run fell back at that step, and the capped model without a fallback ('none') differs."""
+def test_step_mode_matches_layer_fallback(baseline, tmp_path):
+  """All-to-all path (the ring's is tested at the layer, tests/test_step_mode.py): the step
+  that runs dropless from its first overflowing layer on, its state donated, gives the loss
+  curve of the in-layer fallback (both are the dropless model), a step runs dropless exactly
+  when the layer run fell back at that step, and the capped model without a fallback ('none')
+  differs."""
   def mode(name, **overrides):
     c = run_config(**overrides)
     c.moe.moe_dropless_fallback = name
     return c
   layer_dir, layer, _ = baseline
-  replayed = trainer.train_and_evaluate(mode("step"), str(tmp_path / "step"))
+  step_mode = trainer.train_and_evaluate(mode("step"), str(tmp_path / "step"))
   # The 'none' run also shows `moe_metrics=False`: training scalars only, nothing of the MoE's.
-  capped = trainer.train_and_evaluate(mode("none", moe_metrics=False), str(tmp_path / "none"))
+  quiet_config = mode("none", moe_metrics=False)
+  quiet_config.moe.emit_fallback_events = False
+  capped = trainer.train_and_evaluate(quiet_config, str(tmp_path / "none"))
   quiet = read_scalars(str(tmp_path / "none"))
   np.testing.assert_allclose([quiet["train/loss"][s] for s in range(8)], capped, rtol=1e-6)
   assert not [t for t in quiet if t.startswith(("moe/", "learning/moe"))], sorted(quiet)
   assert not os.path.exists(tmp_path / "none" / "alerts.jsonl")
-  np.testing.assert_allclose(replayed, layer, rtol=1e-5)
+  np.testing.assert_allclose(step_mode, layer, rtol=1e-5)
   assert np.max(np.abs(np.subtract(capped, layer))) > 1e-3
   fell_back = read_scalars(layer_dir)["learning/moe_dropless_fallback_layers"]
-  total = read_scalars(str(tmp_path / "step"))["moe/step_replays"]  # a running count
+  total = read_scalars(str(tmp_path / "step"))["moe/dropless_steps"]  # a running count
   per_step = np.diff([0] + [total[s] for s in range(8)])
   np.testing.assert_array_equal(per_step, [fell_back[s] > 0 for s in range(8)])
   assert per_step.sum() >= 1
@@ -211,7 +214,7 @@ def test_step_replay_mode_matches_layer_fallback(baseline, tmp_path):
   batch = jax.device_put(np.zeros((config.data.batch_size, config.data.seq_len + 1), np.int32),
                          steps.batch_sharding)
   _, out = steps.train(state, batch)
-  assert out["replayed"].dtype == bool
+  assert out["dropless"].dtype == bool
   assert all(leaf.is_deleted() for leaf in jax.tree.leaves(state))
 
 
@@ -315,44 +318,69 @@ def test_bad_config_on_the_command_line_is_a_short_clear_error(tmp_path, flag, m
 
 
 def test_config_moe_keys_are_the_layer_fields():
-  """One vocabulary: `config.moe` holds every settable `MoEConfig` field under its own name
-  (plus the launcher's shared_expert), and the launcher builds the layer config from them."""
+  """One vocabulary: `config.moe` holds exactly the `MoEConfig` fields the launcher does not
+  derive (width, dtype, traffic recording), under their own names, and the launcher builds
+  the layer config from them."""
   c = tiny_config()
   fields = {f.name for f in dataclasses.fields(moe_hk.MoEConfig)}
-  assert not fields & set(model.LAUNCHER_MOE_KEYS)
-  assert set(c.moe) == fields - {"emb_dim", "dtype"} | set(model.LAUNCHER_MOE_KEYS)
+  derived = {"emb_dim", "dtype", "record_traffic"}
+  assert set(c.moe) == fields - derived and set(c.moe) | derived == fields
   c.moe.gmm_impl, c.moe.gmm_block_rows, c.moe.a2a_impl = "ragged_dot", 16, "emulated"
+  c.traffic.record = False
   built = model.moe_config(c)
   assert (built.gmm_impl, built.gmm_block_rows, built.a2a_impl) == ("ragged_dot", 16, "emulated")
-  assert (built.emb_dim, built.dtype) == (c.emb_dim, c.dtype)
-  c.moe_metrics = False
+  assert (built.emb_dim, built.dtype, built.record_traffic) == (c.emb_dim, c.dtype, False)
+
+
+@pytest.mark.parametrize("old,new", [("autotune_window", "autopilot.window"),
+                                     ("traffic_max_mib", "traffic.max_mib"),
+                                     ("shared_expert", "shared_expert"),
+                                     ("log_required_ragged_buffer_factor",
+                                      "moe.stream_step_stats")])
+def test_moved_keys_name_their_new_place(old, new):
+  """A config file or a flag that still sets a moved key gets one line naming the new one."""
+  c = tiny_config()
+  c.moe[old] = 1
+  with pytest.raises(ValueError, match=rf"^config\.moe\.{old} moved to config\.{new}\.$"):
+    model.moe_config(c)
+  assert overrides.unknown_override([f"--config.moe.{old}=1"], tiny_config()) == (
+      f"--config.moe.{old}: this key moved to --config.{new}.")
+
+
+def test_moe_metrics_off_with_a_layer_callback_on_is_an_error():
+  """`moe_metrics=False` never overrides the layer's fields: a callback left on is named."""
+  c = tiny_config(moe_metrics=False)
+  with pytest.raises(ValueError, match=r"config\.moe_metrics=False turns the MoE telemetry "
+                                       r"off but config\.moe\.emit_fallback_events=True would "
+                                       r"still call back to the host: set it False as well\."):
+    model.moe_config(c)
+  c.moe.emit_fallback_events = False
   off = model.moe_config(c)
-  assert not off.log_required_ragged_buffer_factor and not off.emit_fallback_events
+  assert not off.stream_step_stats and not off.emit_fallback_events
 
 
-def _autopilot_config(auto: bool, train_steps: int = 8):
-  """The tiny config from factor 4.0, its worst case (min(P=8, E/K=4)): nothing can overflow,
-  so after its 4-step window the autopilot can only lower the factor, whatever the router's
-  numerics on this jax version; one candidate program at most (a compile costs more than this
-  run), compiled while the step waits for it."""
-  c = tiny_config(train_steps=train_steps, checkpoint_every=500)
+def _autopilot_config():
+  """The baseline's model from factor 4.0, its worst case (min(P=8, E/K=4)): nothing can
+  overflow, so after its 4-step window the autopilot can only lower the factor, whatever the
+  router's numerics on this jax version; one candidate program at most (a compile costs more
+  than this run), compiled while the step waits for it."""
+  c = run_config(checkpoint_every=500)
   c.moe.ragged_buffer_factor = 4.0
-  c.moe.autotune_ragged_buffer_factor = auto
-  c.moe.update(target_fallback_frequency=0.3, autotune_window=4, autotune_max_programs=1,
-               autotune_wait=True)
+  c.autopilot.update(enabled=True, target_fallback_frequency=0.3, window=4, max_programs=1,
+                     wait=True)
   return c
 
 
 @pytest.mark.slow
-def test_autopilot_lowers_the_factor_drops_nothing_and_resumes_with_it(tmp_path):
+def test_autopilot_lowers_the_factor_drops_nothing_and_resumes_with_it(baseline, tmp_path):
   """Switching factors changes the program, never the math: the loss curve equals the
-  fixed-factor run's, nothing is dropped, the change is alerted, and a run resumed after the
-  change continues with the lowered factor from its checkpoint."""
-  fixed = trainer.train_and_evaluate(_autopilot_config(False), str(tmp_path / "fixed"))
+  dropless baseline's (a fixed factor with the fallback), nothing is dropped, the change is
+  alerted, and a run resumed after the change continues with the lowered factor from its
+  checkpoint."""
   auto = str(tmp_path / "auto")
-  first = trainer.train_and_evaluate(_autopilot_config(True), auto, stop_after=5)
-  rest = trainer.train_and_evaluate(_autopilot_config(True), auto)
-  np.testing.assert_allclose(first + rest, fixed, rtol=1e-5)
+  first = trainer.train_and_evaluate(_autopilot_config(), auto, stop_after=5)
+  rest = trainer.train_and_evaluate(_autopilot_config(), auto)
+  np.testing.assert_allclose(first + rest, baseline.losses, rtol=1e-5)
   scalars = read_scalars(auto)
   factors = [scalars["moe/ragged_buffer_factor"][s] for s in range(8)]
   assert factors[:4] == [4.0] * 4 and factors[4] < 4.0, factors

@@ -9,7 +9,7 @@ import pytest
 
 import moe_hk
 from tests import reference
-from tests.moe_inputs import dense_reference, outputs_and_grads, skewed_inputs
+from tests.moe_inputs import outputs_and_grads, reference_outputs_and_grads, skewed_inputs
 from tests.tree_close import assert_trees_close
 
 BATCH, SEQ, WIDTH, HIDDEN = 16, 8, 16, 32
@@ -54,8 +54,8 @@ def _assert_layer_matches_reference(shards, k, mult, factor, **overrides):
 
   layer = functools.partial(moe_hk.moe_forward, config=config, mesh=mesh)
   y, stats, grads = jax.jit(functools.partial(outputs_and_grads, layer))(params, x, cot)
-  y_ref, _, grads_ref = outputs_and_grads(
-      dense_reference(k, config.router_score, keep=jnp.asarray(keep)), params, x, cot)
+  y_ref, _, grads_ref = reference_outputs_and_grads(params, x, cot, jnp.asarray(keep), k=k,
+                                                    score=config.router_score)
   assert_trees_close(y, y_ref, what="y")
   assert_trees_close(grads, grads_ref, what="grad")
 
@@ -179,8 +179,7 @@ def test_fsdp_axis_shards_expert_embedding():
   cot = jax.random.normal(jax.random.key(1), x.shape)
   layer = functools.partial(moe_hk.moe_forward, config=config, mesh=mesh)
   y, _, grads = jax.jit(functools.partial(outputs_and_grads, layer))(params, x, cot)
-  y_ref, _, grads_ref = outputs_and_grads(dense_reference(2, keep=jnp.asarray(keep)), params, x,
-                                          cot)
+  y_ref, _, grads_ref = reference_outputs_and_grads(params, x, cot, jnp.asarray(keep), k=2)
   assert_trees_close(y, y_ref, what="y")
   assert_trees_close(grads, grads_ref, what="grad")
 

@@ -37,7 +37,7 @@ def _assert_record_matches(record, stats):
   assert record.dropped_rows == int(stats.dropped_rows)
   np.testing.assert_array_equal(record.tokens_per_expert, stats.tokens_per_expert)
   assert record.nonfinite_tokens == int(stats.nonfinite_tokens) == 0
-  assert record.shards == frozenset({0})  # one process: its first device reports
+  assert record.processes == frozenset({0})  # one process: its first device reports
 
 
 def test_unrolled_layers_under_grad_with_remat(events):
@@ -135,7 +135,7 @@ def test_no_events_without_step_or_with_logging_off(events):
   config = moe_hk.MoEConfig(**BASE, ragged_buffer_factor=0.5, moe_dropless_fallback="none")
   params, x = skewed_inputs(config, 16, 16, skew=3.0, seed=4)
   _, stats = jax.jit(functools.partial(moe_hk.moe_forward, config=config, mesh=mesh))(params, x)
-  quiet = config.replace(log_required_ragged_buffer_factor=False)
+  quiet = config.replace(stream_step_stats=False)
   jax.jit(functools.partial(moe_hk.moe_forward, config=quiet, mesh=mesh, step=1))(params, x)
   jax.effects_barrier()
   assert not events

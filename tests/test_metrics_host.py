@@ -12,7 +12,7 @@ from moe_hk import MoEStats
 from moe_hk.events import CAPPED_EVENT, FALLBACK_EVENT, LayerEvent
 
 
-def _event(step, layer, shard=0, attempt=0, fallback=0, factor=1.0, would_drop=0, dropped=0,
+def _event(step, layer, process=0, fallback=0, factor=1.0, would_drop=0, dropped=0,
            tokens=(4, 4, 4, 4), nonfinite=0):
   stats = MoEStats(
       fallback=np.int32(fallback), required_factor=np.float32(factor),
@@ -23,32 +23,20 @@ def _event(step, layer, shard=0, attempt=0, fallback=0, factor=1.0, would_drop=0
       router_entropy=np.float32(1.0),
       receiver_overflow_rows=np.asarray([would_drop, 0], np.int32),  # all on expert shard 0
       routed_rows_per_device=np.zeros((0, len(tokens)), np.int32))   # traffic not recorded
-  return LayerEvent(FALLBACK_EVENT if fallback else CAPPED_EVENT, step, layer, shard, attempt,
-                    stats)
+  return LayerEvent(FALLBACK_EVENT if fallback else CAPPED_EVENT, step, layer, process, stats)
 
 
-def test_duplicates_collapse_to_one_record_per_layer_and_remember_shards():
+def test_duplicates_collapse_to_one_record_per_layer_and_remember_processes():
   agg = Aggregator()
-  for shard in range(8):
+  for process in range(8):
     for _ in range(2):  # remat: a second pass
-      agg(_event(3, 0, shard, fallback=1, factor=2.5, would_drop=7))
-      agg(_event(3, 1, shard, factor=0.75))
+      agg(_event(3, 0, process, fallback=1, factor=2.5, would_drop=7))
+      agg(_event(3, 1, process, factor=0.75))
   m = agg.finish_step(3)
   assert sorted(m.layers) == [0, 1]
-  assert m.layers[0].shards == frozenset(range(8))
+  assert m.layers[0].processes == frozenset(range(8))
   assert m.fallback_layers == 1 and m.required_factor == 2.5
   assert m.layers[0].would_drop_rows == 7 and m.layers[0].routed_rows == 16
-  assert not m.replayed
-
-
-def test_replay_attempt_replaces_the_discarded_one():
-  agg = Aggregator()
-  agg(_event(4, 0, dropped=5, would_drop=5, factor=3.0))
-  agg(_event(4, 0, attempt=1, fallback=1, would_drop=5, factor=3.0))
-  agg(_event(4, 0, attempt=0, dropped=5, would_drop=5, factor=3.0))  # a late duplicate
-  m = agg.finish_step(4)
-  assert m.replayed and m.layers[0].fallback and m.layers[0].dropped_rows == 0
-  assert m.dropped_rows_fraction == 0
 
 
 def test_dropped_fraction_frequency_and_recommended_factor():
@@ -75,51 +63,48 @@ def test_late_events_are_ignored_and_open_steps_bounded():
   assert agg.finish_step(25) is None
 
 
-SHARDS, LAYERS, STEPS = 8, 3, 300
+PROCESSES, LAYERS, STEPS = 8, 3, 300
 
 
-def _reports(shard, step, layer):
-  """Which shards report a (step, layer): a different subset for each."""
-  return (shard + step + layer) % 3 != 0
+def _reports(process, step, layer):
+  """Which processes report a (step, layer): a different subset for each."""
+  return (process + step + layer) % 3 != 0
 
 
-def _replayed(step, layer):
-  """(step, layer)s with a step-mode replay; only even shards report the replay."""
+def _fell_back(step, layer):
+  """(step, layer)s whose fallback ran; the others drop rows."""
   return (step + layer) % 4 == 0
 
 
-def _shard_events(shard, steps):
-  """One shard's events for `steps`: two passes (remat) of each first attempt it reports, and
-  the replay where there is one."""
+def _process_events(process, steps):
+  """One process's events for `steps`: two passes (remat) of each (step, layer) it reports."""
   events = []
   for step in steps:
     for layer in range(LAYERS):
-      if not _reports(shard, step, layer):
+      if not _reports(process, step, layer):
         continue
-      events += 2 * [_event(step, layer, shard, factor=step + layer / 4, dropped=layer + 1,
+      fell_back = _fell_back(step, layer)
+      events += 2 * [_event(step, layer, process, fallback=int(fell_back),
+                            factor=step + layer / 4, dropped=0 if fell_back else layer + 1,
                             would_drop=layer + 1)]
-      if _replayed(step, layer) and shard % 2 == 0:
-        events.append(_event(step, layer, shard, attempt=1, fallback=1, factor=step + layer / 4,
-                             would_drop=layer + 1))
   return events
 
 
 def _shuffled(events, seed):
   """`events` roughly in step order (so all threads contend for the same few steps), in a
-  random order within a step (a replay then arrives before or after its first attempt). Steps
-  `STEPS` apart are mixed together."""
+  random order within a step. Steps `STEPS` apart are mixed together."""
   rng = random.Random(seed)
   return sorted(events, key=lambda e: (e.step % STEPS, rng.random()))
 
 
-def _send_concurrently(agg, per_shard):
-  """Every shard's events from its own thread, all released at once by a barrier."""
-  barrier = threading.Barrier(len(per_shard))
+def _send_concurrently(agg, per_process):
+  """Every process's events from its own thread, all released at once by a barrier."""
+  barrier = threading.Barrier(len(per_process))
   def send(events):
     barrier.wait()
     for e in events:
       agg(e)
-  threads = [threading.Thread(target=send, args=(events,)) for events in per_shard]
+  threads = [threading.Thread(target=send, args=(events,)) for events in per_process]
   for t in threads:
     t.start()
   for t in threads:
@@ -132,33 +117,30 @@ def _assert_exact_records(agg, steps):
     m = agg.finish_step(step)
     assert sorted(m.layers) == list(range(LAYERS)), step
     for layer, record in m.layers.items():
-      replay = _replayed(step, layer)
-      reporters = {s for s in range(SHARDS) if _reports(s, step, layer)}
-      # A replay's record replaces the first attempt's, and only its own reporters count.
-      expected = {s for s in reporters if s % 2 == 0} if replay else reporters
-      assert record.shards == frozenset(expected), (step, layer)
-      assert (record.attempt, record.fallback) == (int(replay), replay), (step, layer)
-      assert record.dropped_rows == (0 if replay else layer + 1), (step, layer)
+      fell_back = _fell_back(step, layer)
+      reporters = {p for p in range(PROCESSES) if _reports(p, step, layer)}
+      assert record.processes == frozenset(reporters), (step, layer)
+      assert record.fallback == fell_back, (step, layer)
+      assert record.dropped_rows == (0 if fell_back else layer + 1), (step, layer)
       assert record.required_factor == step + layer / 4, (step, layer)
-    replays = sum(_replayed(step, layer) for layer in range(LAYERS))
-    assert m.fallback_layers == replays and m.replayed == (replays > 0)
+    assert m.fallback_layers == sum(_fell_back(step, layer) for layer in range(LAYERS))
 
 
 def test_thread_safe_under_concurrent_callbacks():
-  """8 shard threads start together and switch every microsecond, so their calls really
+  """8 process threads start together and switch every microsecond, so their calls really
   interleave (over a thousand events each, twice); the outcome must be exactly the serial one."""
   steps = range(STEPS)
   agg = Aggregator(max_open_steps=STEPS)
   interval = sys.getswitchinterval()
   sys.setswitchinterval(1e-6)
   try:
-    first = [_shuffled(_shard_events(s, steps), s) for s in range(SHARDS)]
+    first = [_shuffled(_process_events(s, steps), s) for s in range(PROCESSES)]
     _send_concurrently(agg, first)
     _assert_exact_records(agg, steps)
     # Every event of the finished steps again, interleaved with the next steps' events: each
     # late one is counted, none reopens its step, and the new steps come out exact.
     later = range(STEPS, 2 * STEPS)
-    _send_concurrently(agg, [_shuffled(old + _shard_events(s, later), SHARDS + s)
+    _send_concurrently(agg, [_shuffled(old + _process_events(s, later), PROCESSES + s)
                              for s, old in enumerate(first)])
   finally:
     sys.setswitchinterval(interval)

@@ -44,7 +44,7 @@ def trained_logdir(tmp_path_factory):
     for step in range(STEPS):
       _, new_state = step_fn(params, state, batches[step], step)
       returned.append(new_state)
-      reported.append(moe_metrics.end_step(step, replays=0, extra_scalars={"train/loss": 1.0}))
+      reported.append(moe_metrics.end_step(step, dropless_steps=0, extra_scalars={"train/loss": 1.0}))
     # The image of the interval: the sum of the returned rows per expert.
     moe_metrics.writer.write_expert_load(STEPS - 1, np.stack([
         sum(np.asarray(s[f"moe_{i}"]["stats"].tokens_per_expert) for s in returned)
@@ -64,7 +64,7 @@ def test_event_files_hold_the_tags_with_the_returned_values(trained_logdir):
                writer_lib.FALLBACK_CHUNKS_TAG]
   for tag in [writer_lib.FALLBACK_LAYERS_TAG, writer_lib.FREQUENCY_TAG,
               writer_lib.REQUIRED_FACTOR_TAG, writer_lib.DROPPED_FRACTION_TAG,
-              writer_lib.RECOMMENDED_FACTOR_TAG, writer_lib.STEP_REPLAYS_TAG,
+              writer_lib.RECOMMENDED_FACTOR_TAG, writer_lib.DROPLESS_STEPS_TAG,
               writer_lib.LB_LOSS_TAG, writer_lib.Z_LOSS_TAG,
               *(f"{t}/layer_{i}" for t in per_layer for i in range(3)), "train/loss"]:
     assert sorted(scalars[tag]) == list(range(STEPS)), tag

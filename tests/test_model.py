@@ -76,14 +76,14 @@ def test_rms_norm_and_swiglu_match_formulas():
 
 def _tiny_config(shared_expert: bool):
   c = tiny.get_config()
-  c.moe.shared_expert = shared_expert
+  c.shared_expert = shared_expert
   c.moe.ragged_buffer_factor = -1.0  # worst-case buffer: no overflow cond, faster to compile
   return c
 
 
 @pytest.mark.slow
 def test_shared_expert_parameters_gradients_and_contribution():
-  """The tiny launcher model with `moe.shared_expert`: its parameters exist, get gradients,
+  """The tiny launcher model with `shared_expert`: its parameters exist, get gradients,
   reach the output, and with `wo = 0` leave exactly the model without a shared expert."""
   mesh = moe_hk.make_mesh(data=1, fsdp=1, expert=8)
   def model(config):

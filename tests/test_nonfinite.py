@@ -12,7 +12,7 @@ import pytest
 import moe_hk
 from metrics import Aggregator, AlertManager, layer_record
 from tests import reference
-from tests.moe_inputs import dense_reference, outputs_and_grads, skewed_inputs
+from tests.moe_inputs import outputs_and_grads, reference_outputs_and_grads, skewed_inputs
 from tests.tree_close import assert_trees_close
 
 MESH = dict(data=2, expert=4)
@@ -80,8 +80,7 @@ def _expected():
   cot = jax.random.normal(jax.random.key(5), x.shape) * routed[..., None]
   ids, _, logits = reference.reference_routing(params.router_w, x_ref, K, "softmax")
   keep = jnp.broadcast_to(jnp.asarray(routed, jnp.float32)[..., None], ids.shape)
-  y_ref, _, grads_ref = jax.jit(functools.partial(outputs_and_grads, dense_reference(
-      K, keep=keep)))(params, x_ref, cot)
+  y_ref, _, grads_ref = reference_outputs_and_grads(params, x_ref, cot, keep, k=K)
   return dict(params=params, x=x, nonfinite=nonfinite, cot=cot, y_ref=y_ref,
               grads_ref=grads_ref, counts=_counts(ids, routed),
               required=_received_factor(ids, routed),
@@ -161,7 +160,7 @@ def test_default_layer_mode_neither_falls_back_nor_blames_an_expert():
   assert e["required"] <= FACTOR < old_factor, (e["required"], old_factor)
 
   aggregator = Aggregator()
-  aggregator.add(0, 0, layer_record(stats, attempt=0, shard=0))
+  aggregator.add(0, 0, layer_record(stats, process=0))
   alerts = AlertManager(worst_case_factor=min(SHARDS, EXPERTS / K)).check(
       aggregator.finish_step(0))
   assert [a.rule for a in alerts] == ["nonfinite_router_input"]

@@ -24,14 +24,14 @@ def get_config() -> ml_collections.ConfigDict:
   # 'full' (everything recomputed, as large MoE models train), 'save_attention_moe' (keeps
   # the attention and MoE outputs), 'none' (no remat). The trainer's MoE telemetry comes from
   # the step's outputs under every policy; only the per-step host callbacks of capped-only
-  # layers (log_required_ragged_buffer_factor) are lost under 'none' (jax-ml/jax#28738).
+  # layers (stream_step_stats) are lost under 'none' (jax-ml/jax#28738).
   c.remat_policy = "full"
   # 'auto': splash attention (Pallas) on TPU, cuDNN on GPU, the XLA form on CPU; or name one.
   c.attention_impl = "auto"
   c.attention_block = 0       # query block of the XLA form's scan; 0 = whole sequence
   c.loss_chunk = 0            # positions per logits chunk of the loss scan; 0 = whole sequence
-  # The MoE layers: every key but shared_expert is a `moe_hk.MoEConfig` field of the same name
-  # and meaning (its width and dtype come from emb_dim and dtype above).
+  # The MoE layers: every key is a `moe_hk.MoEConfig` field of the same name and meaning (its
+  # width and dtype come from emb_dim and dtype above, record_traffic from traffic.record).
   c.moe = ml_collections.ConfigDict(dict(
       num_experts=8,
       num_experts_per_tok=2,
@@ -52,26 +52,23 @@ def get_config() -> ml_collections.ConfigDict:
       expert_axis="expert",             # the mesh axis experts are sharded over
       # The trainer takes every step's stats from the step itself; True also streams them
       # through host callbacks (for bare-layer users; costs a callback per layer and step).
-      log_required_ragged_buffer_factor=False,
+      stream_step_stats=False,
       emit_fallback_events=True,        # the fallback branch calls back: alerts at once
-      record_traffic=True,              # rows per (device, expert): WORKDIR/traffic, planner
-      # Launcher only (not MoEConfig fields):
-      shared_expert=False,              # a dense SwiGLU beside the experts
-      traffic_max_mib=1024,             # WORKDIR/traffic keeps at most this much, newest first
-      # The buffer-factor autopilot: picks the smallest factor (steps of 1/8) whose predicted
-      # fallback frequency over the last autotune_window steps is <= target_fallback_frequency;
-      # compiles candidates in the background (at most autotune_max_programs), refuses any
-      # over memory_budget_gib (0: the device's memory on TPU/GPU, none on CPU).
-      # autotune_wait: wait for a candidate's compile (a reproducible factor schedule).
-      autotune_ragged_buffer_factor=False,
-      target_fallback_frequency=0.01,
-      memory_budget_gib=0.0,
-      autotune_window=100,
-      autotune_max_programs=8,
-      autotune_wait=False,
   ))
-  # MoE telemetry (TensorBoard tags, alerts, callbacks); the training scalars are written
-  # either way.
+  c.shared_expert = False     # a dense SwiGLU beside each MoE block's experts
+  # The routed traffic, rows per (device, expert) and step: WORKDIR/traffic, for the planner
+  # (`launch.capacity`); the directory keeps at most max_mib, newest first.
+  c.traffic = ml_collections.ConfigDict(dict(record=True, max_mib=1024))
+  # The buffer-factor autopilot: picks the smallest factor (steps of 1/8) whose predicted
+  # fallback frequency over the last `window` steps is <= target_fallback_frequency;
+  # compiles candidates in the background (at most max_programs), refuses any over
+  # memory_budget_gib (0: the device's memory on TPU/GPU, none on CPU). wait: wait for a
+  # candidate's compile (a reproducible factor schedule).
+  c.autopilot = ml_collections.ConfigDict(dict(
+      enabled=False, target_fallback_frequency=0.01, memory_budget_gib=0.0, window=100,
+      max_programs=8, wait=False))
+  # MoE telemetry (TensorBoard tags, alerts); the training scalars are written either way.
+  # False needs the layer's callbacks off too (moe.emit_fallback_events, moe.stream_step_stats).
   c.moe_metrics = True
   # Data: batches are a pure function of (seed, step), so resumption is exact.
   # source: 'stdlib' | 'synthetic' | 'files' (text files matching `pattern`, as bytes) |

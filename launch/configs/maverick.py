@@ -26,7 +26,8 @@ def get_config() -> ml_collections.ConfigDict:
   c.attention_block = 512    # with attention_impl='xla': a [4, 40, 512, 8192] f32 score block
   c.loss_chunk = 512        # a [4, 512, 202048] float32 logits block at a time
   c.moe.update(num_experts=128, num_experts_per_tok=1, mlp_dim=8192, ragged_buffer_factor=2.0,
-               router_score="sigmoid", shared_expert=True)
+               router_score="sigmoid")
+  c.shared_expert = True
   # 32 fallback chunks of 1,024 tokens (a chunk's worst case is 1/4 of the capped buffer)
   # rather than the fewest that fit (8, each the capped buffer's size): the TPU compiler does
   # not overlap the chunk's buffers with the capped path's, and on v5p-256 the fallback step

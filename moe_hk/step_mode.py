@@ -12,9 +12,9 @@ threads one flag through its MoE layers:
   y, stats = moe_forward(..., after_overflow=flag)
   flag = overflowed(flag, stats)   # before the next MoE layer
 
-and the step's `any_overflow` says whether it was replayed. One pass means no second copy of
-the state, no second set of gradients and no attempt's residuals held beside the replay's:
-the step costs what the 'layer' fallback costs. Both paths.
+and the step's `any_overflow` says whether it ran dropless. One pass means no second copy of
+the state, no second set of gradients and no capped pass's residuals held beside the dropless
+ones: the step costs what the 'layer' fallback costs. Both paths.
 """
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ import pytest
 from jax.sharding import NamedSharding
 
 import moe_hk
-from moe_hk.step_replay import any_overflow, overflowed
+from moe_hk.step_mode import any_overflow, overflowed
 from tests import reference
 from tests.moe_inputs import skewed_inputs
 from tests.tree_close import assert_trees_close, relative_error
@@ -17,13 +17,13 @@ from tests.tree_close import assert_trees_close, relative_error
 K = 2
 
 
-def _two_layers(config, mesh, cot, **kw):
-  """(params pair, x) -> (sum(y * cot), stats pair): two MoE layers with a residual, the
+def _two_layers(config, mesh):
+  """(params pair, x, cot) -> (sum(y * cot), stats pair): two MoE layers with a residual, the
   second fed the step-mode flag of the first (in 'step' mode)."""
   step_mode = config.moe_dropless_fallback == "step"
-  layer = functools.partial(moe_hk.moe_forward, config=config, mesh=mesh, **kw)
+  layer = functools.partial(moe_hk.moe_forward, config=config, mesh=mesh)
 
-  def loss(params, x):
+  def loss(params, x, cot):
     flag = jnp.zeros((), bool) if step_mode else None
     h, first = layer(params[0], x, after_overflow=flag)
     y, second = layer(params[1], x + h,
@@ -32,15 +32,52 @@ def _two_layers(config, mesh, cot, **kw):
   return loss
 
 
-def _dense_loss(cot):
-  def loss(params, x):
-    h = reference.reference_moe(tuple(params[0]), x, k=K)
-    return jnp.sum(reference.reference_moe(tuple(params[1]), x + h, k=K) * cot), None
-  return loss
+def _dense_loss(params, x, cot):
+  h = reference.reference_moe(tuple(params[0]), x, k=K)
+  return jnp.sum(reference.reference_moe(tuple(params[1]), x + h, k=K) * cot), None
 
 
 def _sgd(params, gradients):
   return jax.tree.map(lambda p, g: p - 0.1 * g, params, gradients)
+
+
+def _config(ring: bool, mode: str) -> moe_hk.MoEConfig:
+  return moe_hk.MoEConfig(num_experts=8, num_experts_per_tok=K, emb_dim=16, mlp_dim=32,
+                          ragged_buffer_factor=2.0, use_ring_of_experts=ring,
+                          moe_dropless_fallback=mode, gmm_block_rows=8)
+
+
+def _mesh():
+  return moe_hk.make_mesh(data=2, expert=4)
+
+
+def _shardings(config, mesh):
+  specs = moe_hk.param_specs(config, mesh)
+  return tuple(jax.tree.map(lambda s: NamedSharding(mesh, s), specs) for _ in range(2))
+
+
+@functools.lru_cache(maxsize=None)
+def _step(ring: bool):
+  """The step-mode train step `(params pair, x, cot) -> (new params, stats, dropless)`: one
+  pass, the update in place on the donated params. Compiled once per path for every case."""
+  config, mesh = _config(ring, "step"), _mesh()
+  shardings = _shardings(config, mesh)
+
+  def step(params, x, cot):
+    (_, stats), gradients = jax.value_and_grad(_two_layers(config, mesh), has_aux=True)(
+        params, x, cot)
+    return _sgd(params, gradients), stats, any_overflow(stats)
+  return jax.jit(step, in_shardings=(shardings, None, None),
+                 out_shardings=(shardings, None, None), donate_argnums=(0,))
+
+
+@functools.lru_cache(maxsize=None)
+def _capped_grad(ring: bool):
+  """Gradients of the capped model without a fallback ('none'): the control."""
+  return jax.jit(jax.grad(_two_layers(_config(ring, "none"), _mesh()), has_aux=True))
+
+
+_dense_grad = jax.jit(jax.grad(_dense_loss, has_aux=True))
 
 
 # (skew of layer 0's router, of layer 1's): which layers overflow their capped buffers.
@@ -50,38 +87,24 @@ CASES = {"first": (4.0, 0.0), "second": (0.0, 4.0), "neither": (0.0, 0.0)}
 @pytest.mark.parametrize("ring", [False, True], ids=["all_to_all", "ring"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_step_mode_is_dropless_from_the_first_overflow(ring, case):
-  mesh = moe_hk.make_mesh(data=2, expert=4)
-  config = moe_hk.MoEConfig(num_experts=8, num_experts_per_tok=K, emb_dim=16, mlp_dim=32,
-                            ragged_buffer_factor=2.0, use_ring_of_experts=ring,
-                            moe_dropless_fallback="step", gmm_block_rows=8)
+  config = _config(ring, "step")
   skews = CASES[case]
   p0, x = skewed_inputs(config, 16, 16, skew=skews[0], seed=2)
   p1, _ = skewed_inputs(config, 16, 16, skew=skews[1], seed=2)  # same hot direction as x
   params = (p0, p1)
   cot = jax.random.normal(jax.random.key(0), x.shape)
-  specs = moe_hk.param_specs(config, mesh)
-  shardings = tuple(jax.tree.map(lambda s: NamedSharding(mesh, s), specs) for _ in range(2))
 
-  def step(params, x):  # one pass; the update runs in place on the donated params
-    (_, stats), gradients = jax.value_and_grad(_two_layers(config, mesh, cot), has_aux=True)(
-        params, x)
-    return _sgd(params, gradients), stats, any_overflow(stats)
-  step = jax.jit(step, in_shardings=(shardings, None), out_shardings=(shardings, None, None),
-                 donate_argnums=(0,))
-  grad = lambda loss: jax.jit(jax.grad(loss, has_aux=True))
-
-  reference_params = _sgd(params, grad(_dense_loss(cot))(params, x)[0])
-  capped_grads, capped_stats = grad(
-      _two_layers(config.replace(moe_dropless_fallback="none"), mesh, cot))(params, x)
+  reference_params = _sgd(params, _dense_grad(params, x, cot)[0])
+  capped_grads, capped_stats = _capped_grad(ring)(params, x, cot)
   capped_params = _sgd(params, capped_grads)
-  donated = jax.device_put(params, shardings)
-  new_params, stats, replayed = step(donated, x)
+  donated = jax.device_put(params, _shardings(config, _mesh()))
+  new_params, stats, dropless = _step(ring)(donated, x, cot)
   assert all(leaf.is_deleted() for leaf in jax.tree.leaves(donated))  # the state was donated
 
   drops = [int(s.would_drop_rows) for s in stats]
   assert [d > 0 for d in drops] == {"first": [True, False], "second": [False, True],
                                     "neither": [False, False]}[case], drops
-  assert bool(replayed) == (case != "neither")
+  assert bool(dropless) == (case != "neither")
   # Dropless from the first overflowing layer on, whatever the later layers' own traffic.
   assert [int(s.fallback) for s in stats] == {"first": [1, 1], "second": [0, 1],
                                               "neither": [0, 0]}[case]
