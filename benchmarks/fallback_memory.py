@@ -7,9 +7,9 @@ and each model (one bare MoE layer; stacks of rematerialised MoE layers trained 
 compiles the step and prints total memory per device (arguments + outputs + temp - aliased)
 and the compile time for: the worst-case buffer, the capped buffer, capped + `layer` fallback
 (scan of checkpointed chunks), the same with adaptive chunking (`fallback.traffic_ladder`),
-with the earlier two-rung adaptive ladder (`fallback_variants.two_rung_ladder`), and capped + fallback
-with a Python-unrolled chunk loop (the naive form, `moe_hk.fallback.unrolled_chunks`). Each
-rung of an adaptive ladder is a compiled switch branch, so these columns measure what rungs
+with the earlier two-rung adaptive ladder (`fallback_variants.two_rung_ladder`), and capped +
+fallback with a Python-unrolled chunk loop (the naive form, `moe_hk.fallback.unrolled_chunks`).
+Each rung of an adaptive ladder is a compiled switch branch, so these columns measure what rungs
 cost. `--factor` sets the buffer factor (a lower one lengthens the adaptive ladder). JSON
 first, then a table.
 """
@@ -27,8 +27,8 @@ from jax.sharding import NamedSharding
 
 import moe_hk
 from benchmarks import fallback_variants
-from launch import platform as launch_platform
-from moe_hk import aot, fallback, mesh as mesh_lib
+from launch import platform as launch_platform, xla_programs
+from moe_hk import fallback, mesh as mesh_lib
 
 # The single-layer setting where token buffers dominate: 8 shards, top-2, 8 experts,
 # 64 x 512 tokens (4,096 per shard), emb 1024, MLP 2048. Not narrower: on TPU a width of 64 is
@@ -73,7 +73,8 @@ def variant_layer(variant: str, config: moe_hk.MoEConfig, mesh):
 
 
 def make_mesh(platform: str):
-  devices = aot.tpu_topology_devices("v5p:2x2x2") if platform == "tpu" else jax.devices()[:8]
+  devices = (xla_programs.tpu_topology_devices("v5p:2x2x2") if platform == "tpu"
+             else jax.devices()[:8])
   return moe_hk.make_mesh(expert=8, devices=devices)
 
 
@@ -99,7 +100,7 @@ def compile_step(variant: str, platform: str, layers: int):
     def loss(p, xx):
       y, stats = layer(p, xx)
       return jnp.mean(y ** 2) + stats.lb_loss
-    params = aot.abstract_like(_layer_params(config), shardings)
+    params = xla_programs.abstract_like(_layer_params(config), shardings)
     return jax.jit(jax.value_and_grad(loss)).lower(params, x).compile()
 
   # Layers as a scan over stacked params with a rematerialised body, as large MoE models train.
@@ -120,12 +121,12 @@ def compile_step(variant: str, platform: str, layers: int):
   concrete = jax.tree.map(stack, _layer_params(config))
   stacked_shardings = jax.tree.map(
       lambda s: NamedSharding(mesh, jax.sharding.PartitionSpec(None, *s)), specs)
-  params = aot.abstract_like(concrete, stacked_shardings)
+  params = xla_programs.abstract_like(concrete, stacked_shardings)
   opt_state = jax.eval_shape(tx.init, concrete)
   replicated = NamedSharding(mesh, jax.sharding.PartitionSpec())
   opt_shardings = optax.tree_map_params(tx, lambda _, s: s, opt_state, stacked_shardings,
                                         transform_non_params=lambda _: replicated)
-  opt_state = aot.abstract_like(opt_state, opt_shardings)
+  opt_state = xla_programs.abstract_like(opt_state, opt_shardings)
   return jax.jit(step, donate_argnums=(0, 1)).lower(params, opt_state, x).compile()
 
 
@@ -139,7 +140,7 @@ def measure(platforms, layer_counts, variants=VARIANTS):
         start = time.perf_counter()
         compiled = compile_step(v, platform, layers)
         seconds[v] = time.perf_counter() - start
-        mib[v] = aot.total_memory_bytes(compiled) / 2**20
+        mib[v] = xla_programs.total_memory_bytes(compiled) / 2**20
       over = {v: mib[v] / mib["capped"] for v in variants if "capped" in mib}
       rows.append({"platform": platform, "layers": layers, "MiB": mib, "compile_s": seconds,
                    "over_capped": over})

@@ -29,10 +29,10 @@ import ml_collections
 from absl import flags
 
 import moe_hk
-from launch import cli, flops as flops_lib, platform, trainer
+from launch import cli, flops as flops_lib, platform, trainer, xla_programs
 from launch.errors import UserError
-from launch.steps import make_steps
-from moe_hk import aot, fallback
+from launch.steps import abstract_inputs, make_steps
+from moe_hk import fallback
 
 VARIANTS = ("worst_case", "capped", "fallback_scan", "fallback_adaptive", "step",
             "fallback_unrolled")
@@ -76,7 +76,7 @@ def topology_devices(topology: str) -> list:
     topology = f"v5p:{V5P_SHAPES[chips]}"
   if not re.fullmatch(r"v\w+:\d+x\d+(x\d+)?", topology):
     raise ValueError(f"--compile_topology={topology} must be 'v5p-N', 'v5p:AxBxC' or 'cpu:N'.")
-  return list(aot.tpu_topology_devices(topology))
+  return list(xla_programs.tpu_topology_devices(topology))
 
 
 def variant_config(config: ml_collections.ConfigDict, variant: str) -> ml_collections.ConfigDict:
@@ -99,10 +99,7 @@ def compile_variant(config: ml_collections.ConfigDict, devices: list, variant: s
   c = variant_config(config, variant)
   mesh = moe_hk.make_mesh(**c.mesh, devices=devices)
   steps = make_steps(c, mesh)
-  state = jax.eval_shape(steps.init, jax.random.key(0))
-  state = aot.abstract_like(state, steps.state_sharding)
-  batch = jax.ShapeDtypeStruct((c.data.batch_size, c.data.seq_len + 1), "int32",
-                               sharding=steps.batch_sharding)
+  state, batch = abstract_inputs(c, steps)
   start = time.perf_counter()
   # The naive chunk loop the scan is measured against, through the layer's comparison seam.
   swap = ({"chunk_loop": fallback.unrolled_chunks} if variant == "fallback_unrolled" else {})
@@ -123,7 +120,8 @@ def compile_variant(config: ml_collections.ConfigDict, devices: list, variant: s
             "hbm_bytes": int(float(need.group(2)) * GIB),
             "compile_seconds": round(time.perf_counter() - start, 1)}
   m = compiled.memory_analysis()
-  return {"variant": variant, "compiled": True, "total_bytes": aot.total_memory_bytes(compiled),
+  return {"variant": variant, "compiled": True,
+          "total_bytes": xla_programs.total_memory_bytes(compiled),
           "flops": flops_lib.matmul_flops(steps.train, state, batch),
           # Per device, each loop body once (XLA's cost analysis): a fraction of the step.
           "xla_cost_analysis_flops": (compiled.cost_analysis() or {}).get("flops", 0.0),

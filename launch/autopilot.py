@@ -45,16 +45,22 @@ class Decision(NamedTuple):
   evidence: dict      # what the window showed (for the alert)
 
 
+def check_settings(*, target: float, window: int, max_programs: int = 1) -> None:
+  """Checks the autopilot's settings (`config.autopilot`): ValueError naming the bad one."""
+  if not 0 < target < 1:
+    raise ValueError(f"config.autopilot.target_fallback_frequency={target} must be in (0, 1).")
+  if window < 4:
+    raise ValueError(f"config.autopilot.window={window} must be >= 4.")
+  if max_programs < 1:
+    raise ValueError(f"config.autopilot.max_programs={max_programs} must be >= 1.")
+
+
 class FactorController:
   """Proposes the buffer factor from the required factors of recent steps."""
 
   def __init__(self, factor: float, *, target: float, worst_case: float, window: int = 100,
                rung: float = 0.125):
-    if not 0 < target < 1:
-      raise ValueError(f"config.autopilot.target_fallback_frequency={target} must be in "
-                       "(0, 1).")
-    if window < 4:
-      raise ValueError(f"config.autopilot.window={window} must be >= 4.")
+    check_settings(target=target, window=window)
     self.factor = float(factor)
     self.target = target
     self.window = window

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 from typing import Callable
 
-import jax
 import ml_collections
 from jax.sharding import Mesh
 
 from launch.autopilot import Program
-from launch.steps import Steps, make_steps
-from moe_hk import aot
+from launch.steps import Steps, abstract_inputs, make_steps
+from launch import xla_programs
 
 def with_factor(config: ml_collections.ConfigDict, factor: float) -> ml_collections.ConfigDict:
   """A copy of `config` whose MoE layers use `ragged_buffer_factor=factor`."""
@@ -25,13 +24,11 @@ def compiler(config: ml_collections.ConfigDict, mesh: Mesh, steps: Steps
   """`factor -> Program`: lowers and compiles the train step of `config` at `factor` for the
   run's state and batch shapes; memory is its total (arguments + outputs + temporaries -
   aliased) per device."""
-  state = aot.abstract_like(jax.eval_shape(steps.init, jax.random.key(0)), steps.state_sharding)
-  batch = jax.ShapeDtypeStruct((config.data.batch_size, config.data.seq_len + 1), "int32",
-                               sharding=steps.batch_sharding)
+  state, batch = abstract_inputs(config, steps)
 
   def compile_factor(factor: float) -> Program:
     train = make_steps(with_factor(config, factor), mesh).train.lower(state, batch).compile()
-    return Program(float(factor), train, aot.total_memory_bytes(train))
+    return Program(float(factor), train, xla_programs.total_memory_bytes(train))
   return compile_factor
 
 

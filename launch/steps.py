@@ -17,7 +17,7 @@ import ml_collections
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from launch import sharding
+from launch import sharding, xla_programs
 from launch.model import Transformer, cross_entropy, moe_config
 from moe_hk import step_mode as step_mode_lib
 
@@ -128,3 +128,14 @@ def make_steps(config: ml_collections.ConfigDict, mesh: Mesh) -> Steps:
                   out_shardings=(state_sharding, None), donate_argnums=(0,))
   return Steps(jax.jit(init, out_shardings=state_sharding), train, eval_loss, state_sharding,
                batch_sharding, schedule)
+
+
+def abstract_inputs(config: ml_collections.ConfigDict, steps: Steps
+                    ) -> tuple[TrainState, jax.ShapeDtypeStruct]:
+  """The train step's `(state, batch [B, S + 1] int32)` as ShapeDtypeStructs with their
+  shardings: what `steps.train.lower` compiles for, and what a checkpoint restores into."""
+  state = xla_programs.abstract_like(jax.eval_shape(steps.init, jax.random.key(0)),
+                                 steps.state_sharding)
+  batch = jax.ShapeDtypeStruct((config.data.batch_size, config.data.seq_len + 1), "int32",
+                               sharding=steps.batch_sharding)
+  return state, batch

@@ -31,10 +31,10 @@ from launch.attention import ATTENTION_IMPLS
 from launch.checkpoints import Checkpoints
 from launch.errors import UserError
 from launch.model import REMAT_POLICIES, moe_config
-from launch.steps import Steps, make_steps
+from launch.steps import Steps, abstract_inputs, make_steps
 from metrics import traffic
 from metrics.alerts import ALERTS_FILE
-from moe_hk import aot
+from moe_hk import dispatch_plan, mesh as mesh_lib
 
 
 def flat_hparams(config: ml_collections.ConfigDict) -> dict:
@@ -60,18 +60,10 @@ def validate(config: ml_collections.ConfigDict, devices: int | None = None) -> N
   `devices` defaults to this run's device count (`launch.aot` passes the topology's)."""
   layer = moe_config(config)  # MoEConfig validates its own fields
   devices = jax.device_count() if devices is None else devices
-  mesh_size = config.mesh.data * config.mesh.fsdp * config.mesh.expert
   seq = config.data.seq_len
-  _require(mesh_size == devices, f"config.mesh {dict(config.mesh)} has {mesh_size} devices; "
-                                 f"this run has {devices}.")
-  axes = ("data", "fsdp", "expert")  # moe_hk.make_mesh's
-  _require(layer.expert_axis in axes,
-           f"config.moe.expert_axis={layer.expert_axis!r} must be one of the mesh axes "
-           f"{', '.join(axes)}.")
-  experts_over = config.mesh[layer.expert_axis]
-  _require(layer.num_experts % experts_over == 0,
-           f"config.moe.num_experts={layer.num_experts} must be divisible by "
-           f"config.mesh.{layer.expert_axis}={experts_over}.")
+  sizes = {axis: config.mesh[axis] for axis in mesh_lib.AXES}
+  mesh_lib.check_device_count(sizes, devices)  # the mesh's own checks, before it exists
+  mesh_lib.check_axes(layer, sizes)
   _require(config.data.batch_size % devices == 0,
            f"config.data.batch_size={config.data.batch_size} must be divisible by the "
            f"{devices} devices.")
@@ -100,12 +92,8 @@ def validate(config: ml_collections.ConfigDict, devices: int | None = None) -> N
              "config.autopilot.enabled=True needs a capped buffer (ragged_buffer_factor > 0) "
              "and a fallback (config.moe.moe_dropless_fallback 'layer' or 'step', not "
              f"{layer.moe_dropless_fallback!r}): a lower factor would otherwise drop rows.")
-    _require(0 < pilot.target_fallback_frequency < 1,
-             f"config.autopilot.target_fallback_frequency={pilot.target_fallback_frequency} "
-             "must be in (0, 1).")
-    _require(pilot.window >= 4, f"config.autopilot.window={pilot.window} must be >= 4.")
-    _require(pilot.max_programs >= 1,
-             f"config.autopilot.max_programs={pilot.max_programs} must be >= 1.")
+    autopilot.check_settings(target=pilot.target_fallback_frequency, window=pilot.window,
+                             max_programs=pilot.max_programs)
   _require(pilot.memory_budget_gib >= 0,
            f"config.autopilot.memory_budget_gib={pilot.memory_budget_gib} must be >= 0.")
   _require(config.traffic.max_mib >= 0,
@@ -246,7 +234,7 @@ def _autopilot(config, mesh, steps: Steps, moe_metrics: metrics.MoEMetrics
     return None
   controller = autopilot.FactorController(
       m.ragged_buffer_factor, target=pilot.target_fallback_frequency,
-      worst_case=metrics.worst_case_factor(m.num_experts, m.num_experts_per_tok,
+      worst_case=dispatch_plan.worst_case_factor(m.num_experts, m.num_experts_per_tok,
                                            config.mesh[m.expert_axis]),
       window=pilot.window)
   cache = autopilot.ProgramCache(programs.compiler(config, mesh, steps),
@@ -308,9 +296,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   console = console_lib.Console(config.train_steps)
   checkpoints = Checkpoints(workdir, keep=config.checkpoints_to_keep,
                             every=config.checkpoint_every)
-  abstract_state = aot.abstract_like(jax.eval_shape(steps.init, jax.random.key(config.seed)),
-                                     steps.state_sharding)
-  restored = checkpoints.restore(abstract_state)
+  restored = checkpoints.restore(abstract_inputs(config, steps)[0])
   if restored is not None and restored.step >= config.train_steps:
     console.line(f"{workdir} is at step {restored.step}, config.train_steps="
                  f"{config.train_steps}: nothing to train. To train longer, rerun with "
@@ -319,7 +305,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     return []
   state = steps.init(jax.random.key(config.seed)) if restored is None else restored.state
   m = config.moe
-  worst = metrics.worst_case_factor(m.num_experts, m.num_experts_per_tok,
+  worst = dispatch_plan.worst_case_factor(m.num_experts, m.num_experts_per_tok,
                                     config.mesh[m.expert_axis])
   batch_rows = config.data.batch_size
   preemption = _Preemption()

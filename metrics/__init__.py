@@ -9,8 +9,7 @@ import importlib
 from metrics.aggregator import Aggregator, LayerRecord, StepMetrics, layer_record
 from metrics.alerts import Alert, AlertConfig, AlertManager
 
-_LAZY = {"MoEMetrics": "metrics.pipeline", "worst_case_factor": "metrics.pipeline",
-         "MoEMetricsWriter": "metrics.writer"}
+_LAZY = {"MoEMetrics": "metrics.pipeline", "MoEMetricsWriter": "metrics.writer"}
 
 __all__ = ["Aggregator", "Alert", "AlertConfig", "AlertManager", "LayerRecord", "StepMetrics",
            "layer_record", *_LAZY]

@@ -21,11 +21,6 @@ from metrics.writer import DROPLESS_STEPS_TAG, MoEMetricsWriter
 from moe_hk import events
 
 
-def worst_case_factor(num_experts: int, k: int, expert_shards: int) -> float:
-  """The buffer factor of the worst case: min(P, E / K)."""
-  return min(expert_shards, num_experts / k)
-
-
 class MoEMetrics:
   """Collects MoE layer stats while open and reports each finished step.
 

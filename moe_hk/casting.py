@@ -2,8 +2,8 @@
 
 In a scan over stacked layer weights, the TPU compiler rewrites `convert(slice_i(w))` as
 `slice_i(convert(w))` and hoists the convert: a bfloat16 copy of every layer's weights then
-lives through the whole step (measured on the Maverick config: 5.6 GiB per chip for the
-expert weights; an `optimization_barrier` does not stop it). `to_bfloat16` rounds with
+lives through the whole step (docs/aot-memory.md measures it on the Maverick config; an
+`optimization_barrier` does not stop it). `to_bfloat16` rounds with
 integer arithmetic instead, which that rewrite does not match, so each layer's weights are
 rounded inside its own iteration. The result is bit for bit `w.astype(jnp.bfloat16)`
 (round to nearest, ties to even) for every finite value and infinity, NaN staying NaN.

@@ -27,6 +27,12 @@ def worst_case_rows(num_shards: int, tokens: int, k: int, local_experts: int) ->
   return num_shards * tokens * min(k, local_experts)
 
 
+def worst_case_factor(num_experts: int, k: int, expert_shards: int) -> float:
+  """The buffer factor whose buffer is the worst case: min(P, E / K) (`worst_case_rows` over
+  the balanced T * K rows)."""
+  return min(expert_shards, num_experts / k)
+
+
 def buffer_rows(num_shards: int, tokens: int, k: int, local_experts: int, factor: float) -> int:
   """Receive-buffer rows R: `floor(N * factor)` capped at the worst case; `factor=-1` is the worst case."""
   worst = worst_case_rows(num_shards, tokens, k, local_experts)

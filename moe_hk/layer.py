@@ -13,7 +13,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from moe_hk import mesh as mesh_lib
 from moe_hk.config import MoEConfig
-from moe_hk.sharded import MoEParams, moe_forward, param_specs
+from moe_hk.sharded import MoEParams, forward_checked, param_specs
 from moe_hk.stats import MoEStats
 
 
@@ -70,10 +70,10 @@ class MoELayer(hk.Module):
     mesh_lib.validate_mesh(self.config, self.mesh)
     mesh_lib.validate_input(self.config, self.mesh, x.shape, x.dtype)
     params = _get_params(self.config, self.mesh)
-    y, stats = moe_forward(params, x, config=self.config, mesh=self.mesh,
-                           step=None if hk.running_init() else step, layer_index=layer_index,
-                           force_dropless=force_dropless,
-                           after_overflow=after_overflow)
+    y, stats = forward_checked(params, x, config=self.config, mesh=self.mesh,
+                               step=None if hk.running_init() else step,
+                               layer_index=layer_index, force_dropless=force_dropless,
+                               after_overflow=after_overflow)
     if return_stats:
       return y, stats
     hk.set_state("stats", stats)

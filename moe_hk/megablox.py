@@ -13,7 +13,7 @@ place, so the chunked fallback's backward holds no copy of the local experts' we
 The kernels leave rows past the groups unwritten (whatever the buffer held). `expert_mlp`
 zeroes them in its output; their gradient stays undefined, and the layer's paths cut those
 rows off from the gradient where they gather them (`ragged_path.grouped_rows`): masking the
-input gradient here measured 1.25 GiB more per chip in the Maverick fallback step. The
+input gradient here costs another buffer-sized array per chunk in the fallback's backward. The
 kernels also need M to be a multiple of their row tile; `expert_mlp` pads the rows up to
 one once, for all three matmuls.
 """
@@ -21,10 +21,15 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 
 import jax
 import jax.numpy as jnp
-from jax.experimental.pallas.ops.tpu.megablox.ops import backend as kernels
+
+# The kernels' public module, `megablox/gmm.py` (its `gmm` and `tgmm`). The package exports
+# the custom-VJP `gmm` function under the same name, which hides the module from `import ...
+# as` and `from ... import`; `import_module` returns the module itself.
+kernels = importlib.import_module("jax.experimental.pallas.ops.tpu.megablox.gmm")
 
 TILE = 128          # Row and width tile (the kernels' default).
 _SUBLANES = 16      # Smallest row tile: the sublane packing of bfloat16 on TPU.

@@ -5,7 +5,7 @@ expert axis (and `fsdp` on their embedding dimension when the mesh has that axis
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +14,7 @@ from jax.sharding import AxisType, Mesh, PartitionSpec as P
 
 from moe_hk.config import DTYPES, MoEConfig
 
+AXES = ("data", "fsdp", "expert")  # make_mesh's axes, in mesh order
 FSDP_AXIS = "fsdp"
 
 
@@ -23,18 +24,22 @@ def make_mesh(data: int = 1, fsdp: int = 1, expert: int = 1,
 
   `devices` defaults to all local devices; their count must equal data * fsdp * expert.
   """
-  sizes = {"data": data, "fsdp": fsdp, "expert": expert}
-  for name, size in sizes.items():
-    if not isinstance(size, int) or size < 1:
-      raise ValueError(f"make_mesh({name}={size!r}): axis sizes must be positive integers.")
+  sizes = dict(zip(AXES, (data, fsdp, expert)))
   devices = list(jax.devices() if devices is None else devices)
-  want = data * fsdp * expert
-  if len(devices) != want:
-    raise ValueError(
-        f"make_mesh(data={data}, fsdp={fsdp}, expert={expert}) needs {want} devices, "
-        f"got {len(devices)}.")
+  check_device_count(sizes, len(devices))
   grid = np.asarray(devices, dtype=object).reshape(data, fsdp, expert)
-  return Mesh(grid, tuple(sizes), axis_types=(AxisType.Auto,) * 3)
+  return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * 3)
+
+
+def check_device_count(sizes: Mapping[str, int], devices: int) -> None:
+  """Checks the axis sizes `{axis: size}` are positive integers whose product is `devices`."""
+  for name, size in sizes.items():
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+      raise ValueError(f"mesh axis {name}={size!r}: axis sizes must be positive integers.")
+  want = int(np.prod(list(sizes.values())))
+  if want != devices:
+    shape = ", ".join(f"{k}={v}" for k, v in sizes.items())
+    raise ValueError(f"the mesh ({shape}) needs {want} devices; there are {devices}.")
 
 
 def batch_spec(mesh: Mesh) -> P:
@@ -51,20 +56,26 @@ def expert_weight_spec(mesh: Mesh, config: MoEConfig, embedding_dim: int) -> P:
 
 
 def validate_mesh(config: MoEConfig, mesh: Mesh) -> None:
-  """Checks the expert axis exists and divides the experts."""
-  if config.expert_axis not in mesh.axis_names:
+  """Checks the expert axis exists and divides the experts (`check_axes` of the mesh)."""
+  check_axes(config, dict(mesh.shape))
+
+
+def check_axes(config: MoEConfig, sizes: Mapping[str, int]) -> None:
+  """Checks a mesh of axis sizes `{axis: size}` fits the layer: the expert axis exists and
+  divides the experts, and the fsdp axis (if any) divides the width."""
+  if config.expert_axis not in sizes:
     raise ValueError(
         f"MoEConfig.expert_axis={config.expert_axis!r} is not an axis of the mesh "
-        f"(axes: {mesh.axis_names}).")
-  shards = mesh.shape[config.expert_axis]
+        f"(axes: {', '.join(sizes)}).")
+  shards = sizes[config.expert_axis]
   if config.num_experts % shards:
     raise ValueError(
         f"MoEConfig.num_experts={config.num_experts} must be divisible by the size of mesh "
         f"axis {config.expert_axis!r} ({shards}).")
-  if FSDP_AXIS in mesh.axis_names and config.emb_dim % mesh.shape[FSDP_AXIS]:
+  if FSDP_AXIS in sizes and config.emb_dim % sizes[FSDP_AXIS]:
     raise ValueError(
         f"MoEConfig.emb_dim={config.emb_dim} must be divisible by the size of mesh axis "
-        f"'{FSDP_AXIS}' ({mesh.shape[FSDP_AXIS]}).")
+        f"'{FSDP_AXIS}' ({sizes[FSDP_AXIS]}).")
 
 
 def validate_input(config: MoEConfig, mesh: Mesh, shape: tuple[int, ...], dtype) -> None:

@@ -49,8 +49,8 @@ def resolve_backends(config: MoEConfig, mesh: Mesh) -> Backends:
         "ragged-all-to-all; use 'emulated' or 'auto'.")
   a2a = config.a2a_impl if config.a2a_impl != "auto" else (
       "emulated" if platform == "cpu" else "native")
-  # XLA:GPU's ragged_dot measured 6-7x a dense batched matmul on an H200 (jax 0.11.2), the
-  # blocked loop 1.6-1.9x (benchmarks/gpu_native.py), so only TPU gets ragged_dot.
+  # XLA:GPU's ragged_dot is much slower than the blocked loop (docs/design.md, measured by
+  # benchmarks/gpu_native.py), so only TPU gets ragged_dot.
   gmm = config.gmm_impl if config.gmm_impl != "auto" else (
       "ragged_dot" if platform == "tpu" else "blocked")
   if gmm == "megablox" and platform not in ("tpu", "cpu"):
@@ -146,6 +146,17 @@ def moe_forward(params: MoEParams, x: jax.Array, *, config: MoEConfig, mesh: Mes
   """
   mesh_lib.validate_mesh(config, mesh)
   mesh_lib.validate_input(config, mesh, x.shape, x.dtype)
+  return forward_checked(params, x, config=config, mesh=mesh, step=step,
+                         layer_index=layer_index, force_dropless=force_dropless,
+                         after_overflow=after_overflow)
+
+
+def forward_checked(params: MoEParams, x: jax.Array, *, config: MoEConfig, mesh: Mesh,
+                    step: jax.Array | int | None, layer_index: jax.Array | int | None,
+                    force_dropless: bool, after_overflow: jax.Array | bool | None
+                    ) -> tuple[jax.Array, MoEStats]:
+  """`moe_forward` once its mesh and input checks passed (`MoELayer` makes them before it
+  creates its parameters)."""
   step_mode = config.moe_dropless_fallback == "step"
   if after_overflow is not None and not step_mode:
     raise ValueError("after_overflow is only for moe_dropless_fallback='step', not "

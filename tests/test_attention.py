@@ -14,8 +14,8 @@ import pytest
 from jax.sharding import NamedSharding
 
 import moe_hk
-from launch import attention
-from moe_hk import aot, mesh as mesh_lib
+from launch import attention, xla_programs
+from moe_hk import mesh as mesh_lib
 from tests.helpers import require_libtpu
 from tests.tree_close import assert_trees_close
 
@@ -83,7 +83,7 @@ def test_splash_form_compiles_for_v5p():
   """Value and grad of bf16 splash attention, batch sharded over a 4-chip v5p mesh, under the
   suite's 'highest' default matmul precision (which Mosaic refuses unless the form pins it)."""
   require_libtpu()
-  mesh = moe_hk.make_mesh(data=2, expert=2, devices=aot.tpu_topology_devices("v5p:2x2x1"))
+  mesh = moe_hk.make_mesh(data=2, expert=2, devices=xla_programs.tpu_topology_devices("v5p:2x2x1"))
   sharding = NamedSharding(mesh, mesh_lib.batch_spec(mesh))
   b, s, g, r, dh = 4, 256, 2, 2, 128
   q = jax.ShapeDtypeStruct((b, s, g, r, dh), jnp.bfloat16, sharding=sharding)
@@ -92,10 +92,10 @@ def test_splash_form_compiles_for_v5p():
   def loss(q_, k_, v_):
     out = attention.causal_attention(q_, k_, v_, impl="splash", block=0, mesh=mesh)
     return jnp.sum(out.astype(jnp.float32) ** 2)
-  compiled = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).lower(q, kv, kv).compile()
+  program = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).lower(q, kv, kv).compile()
   # One Mosaic call each for the forward, dq and dkv kernels (vmap batches each into one).
-  assert compiled.as_text().count('custom_call_target="tpu_custom_call"') == 3
-  assert compiled.memory_analysis().temp_size_in_bytes > 0
+  assert program.as_text().count('custom_call_target="tpu_custom_call"') == 3
+  assert program.memory_analysis().temp_size_in_bytes > 0
 
 
 @pytest.mark.parametrize("seq,block", [(8192, 512), (768, 256), (384, 128), (128, 128)])

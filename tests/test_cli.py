@@ -190,8 +190,8 @@ def test_invalid_config_value_from_another_folder(tmp_path):
   done = command("launch.train", f"--workdir={tmp_path}/run", "--config.moe.num_experts=12",
                  cwd=tmp_path)
   assert done.returncode == cli.USER_ERROR, done.stderr
-  assert done.stderr.splitlines()[-1] == ("launch.train: error: config.moe.num_experts=12 must "
-                                          "be divisible by config.mesh.expert=8.")
+  assert done.stderr.splitlines()[-1] == ("launch.train: error: MoEConfig.num_experts=12 must "
+                                          "be divisible by the size of mesh axis 'expert' (8).")
   assert_no_traceback_or_usage(done.stderr)
 
 

@@ -9,7 +9,7 @@ import functools
 import pytest
 
 from benchmarks import fallback_memory
-from moe_hk import aot
+from launch import xla_programs
 from tests.helpers import require_libtpu
 
 # One worker compiles each platform's variants once for all the module's tests
@@ -25,7 +25,8 @@ FALLBACKS = ["fallback_scan", "fallback_adaptive"]
 def _mib(platform: str) -> dict:
   if platform == "tpu":
     require_libtpu()
-  return {v: aot.total_memory_bytes(fallback_memory.compile_step(v, platform, layers=0)) / 2**20
+  return {v: xla_programs.total_memory_bytes(
+      fallback_memory.compile_step(v, platform, layers=0)) / 2**20
           for v in ("worst_case", "capped", "fallback_unrolled", *FALLBACKS)}
 
 

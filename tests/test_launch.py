@@ -275,8 +275,8 @@ def test_two_processes_over_gloo_match_one_process(baseline, tmp_path):
 # Bad values: the message each check gives, in this process (the two command-line cases below
 # prove the exit status and the one-line form).
 @pytest.mark.parametrize("key,value,message", [
-    ("moe.num_experts", 12, "config.moe.num_experts=12 must be divisible by "
-                            "config.mesh.expert=8"),
+    ("moe.num_experts", 12, "MoEConfig.num_experts=12 must be divisible by the size of "
+                            "mesh axis 'expert' (8)"),
     ("moe.ragged_buffer_factor", 0.0, "MoEConfig.ragged_buffer_factor=0.0 is invalid"),
     ("data.batch_size", 12, "config.data.batch_size=12 must be divisible by the 8"),
     ("attention_block", 5, "config.attention_block=5 must be 0 (whole sequence) or a "
@@ -285,8 +285,9 @@ def test_two_processes_over_gloo_match_one_process(baseline, tmp_path):
     ("moe.moe_dropless_fallback", "always", "MoEConfig.moe_dropless_fallback='always' "
                                             "is invalid: must be one of 'none', 'layer', "
                                             "'step'"),
-    ("moe.expert_axis", "model", "config.moe.expert_axis='model' must be one of the "
-                                 "mesh axes data, fsdp, expert"),
+    ("moe.expert_axis", "model", "MoEConfig.expert_axis='model' is not an axis of the mesh "
+                                 "(axes: data, fsdp, expert)"),
+    ("mesh.expert", 4, "the mesh (data=1, fsdp=1, expert=4) needs 4 devices; there are 8"),
 ])
 def test_bad_config_value_names_field_value_and_range(key, value, message):
   c = tiny_config()
@@ -304,8 +305,8 @@ def test_unknown_key_names_the_closest_keys():
 
 
 @pytest.mark.parametrize("flag,message", [
-    ("--config.moe.num_experts=12", "config.moe.num_experts=12 must be divisible by "
-                                    "config.mesh.expert=8"),
+    ("--config.moe.num_experts=12", "MoEConfig.num_experts=12 must be divisible by the size "
+                                    "of mesh axis 'expert' (8)"),
     ("--config.moe.dropless_fallback=layer", "--config.moe.dropless_fallback: no such config "
                                              "key (closest: config.moe.moe_dropless_fallback"),
 ])

@@ -1,11 +1,9 @@
 """`launch.aot`: the launcher's train step compiled for TPU topologies and CPU meshes."""
-import jax
 import pytest
 
 import moe_hk
 from launch import aot
-from launch.steps import make_steps
-from moe_hk import aot as moe_aot
+from launch.steps import abstract_inputs, make_steps
 from launch.configs import tiny
 from tests.helpers import require_libtpu
 
@@ -52,11 +50,7 @@ def test_train_step_with_splash_attention_compiles_for_v5p():
   devices = aot.topology_devices("v5p-16")
   mesh = moe_hk.make_mesh(**config.mesh, devices=devices)
   steps = make_steps(config, mesh)
-  state = moe_aot.abstract_like(jax.eval_shape(steps.init, jax.random.key(0)),
-                                steps.state_sharding)
-  batch = jax.ShapeDtypeStruct((config.data.batch_size, 129), "int32",
-                               sharding=steps.batch_sharding)
-  hlo = steps.train.lower(state, batch).compile().as_text()
+  hlo = steps.train.lower(*abstract_inputs(config, steps)).compile().as_text()
   assert hlo.count('custom_call_target="tpu_custom_call"') >= 3  # forward, dq, dkv
   with pytest.raises(ValueError, match=r"config.attention_impl='splash' runs only on tpu"):
     make_steps(config, moe_hk.make_mesh(**config.mesh))

@@ -16,6 +16,7 @@ import metrics
 import moe_hk
 from metrics import writer as writer_lib
 from metrics.event_files import has_hparams, read_histograms, read_images, read_scalars
+from moe_hk import dispatch_plan
 from tests.helpers import BASE, MESH_SHAPE, ROOT, free_port, unrolled_model
 from tests.moe_inputs import skewed_inputs
 
@@ -37,14 +38,15 @@ def trained_logdir(tmp_path_factory):
   params, state = jax.jit(model.init)(jax.random.key(0), batches[0], 0)
   step_fn = jax.jit(lambda p, s, xx, step: model.apply(p, s, None, xx, step))
   alerts, returned, reported = [], [], []
-  with metrics.MoEMetrics(workdir, worst_case_factor=metrics.worst_case_factor(8, 2, 4),
+  with metrics.MoEMetrics(workdir, worst_case_factor=dispatch_plan.worst_case_factor(8, 2, 4),
                           alert_callback=alerts.append, window=2,
                           hparams={"ragged_buffer_factor": 0.5},
                           flush_on_sigterm=False) as moe_metrics:
     for step in range(STEPS):
       _, new_state = step_fn(params, state, batches[step], step)
       returned.append(new_state)
-      reported.append(moe_metrics.end_step(step, dropless_steps=0, extra_scalars={"train/loss": 1.0}))
+      reported.append(moe_metrics.end_step(step, dropless_steps=0,
+                                           extra_scalars={"train/loss": 1.0}))
     # The image of the interval: the sum of the returned rows per expert.
     moe_metrics.writer.write_expert_load(STEPS - 1, np.stack([
         sum(np.asarray(s[f"moe_{i}"]["stats"].tokens_per_expert) for s in returned)

@@ -13,7 +13,8 @@ import pytest
 from jax.sharding import NamedSharding
 
 import moe_hk
-from moe_hk import aot, mesh as mesh_lib
+from launch import xla_programs
+from moe_hk import mesh as mesh_lib
 from tests.helpers import require_libtpu
 
 # The compiles are cached for the module: its tests share one worker (tests/conftest.py
@@ -31,7 +32,7 @@ def _libtpu():
 
 
 def _mesh():
-  return moe_hk.make_mesh(expert=SHARDS, devices=aot.tpu_topology_devices("v5p:2x2x1"))
+  return moe_hk.make_mesh(expert=SHARDS, devices=xla_programs.tpu_topology_devices("v5p:2x2x1"))
 
 
 @functools.lru_cache(maxsize=None)
@@ -41,7 +42,7 @@ def _compiled(config: moe_hk.MoEConfig, seq: int = SEQ):
   specs = moe_hk.param_specs(config, mesh)
   params = moe_hk.MoEParams(jnp.zeros((EMB, EXPERTS)), jnp.zeros((EXPERTS, EMB, MLP)),
                             jnp.zeros((EXPERTS, EMB, MLP)), jnp.zeros((EXPERTS, MLP, EMB)))
-  params = aot.abstract_like(params, jax.tree.map(lambda s: NamedSharding(mesh, s), specs))
+  params = xla_programs.abstract_like(params, jax.tree.map(lambda s: NamedSharding(mesh, s), specs))
   x = jax.ShapeDtypeStruct((BATCH, seq, EMB), jnp.float32,
                            sharding=NamedSharding(mesh, mesh_lib.batch_spec(mesh)))
 
@@ -74,8 +75,8 @@ def test_native_path_compiles_for_v5p_with_the_configured_buffer(factor):
 
 
 def test_capped_buffer_needs_less_tpu_memory_than_worst_case():
-  worst = aot.total_memory_bytes(_compiled(_config(-1)))
-  capped = aot.total_memory_bytes(_compiled(_config(1.0)))
+  worst = xla_programs.total_memory_bytes(_compiled(_config(-1)))
+  capped = xla_programs.total_memory_bytes(_compiled(_config(1.0)))
   assert capped < worst, (capped, worst)
 
 

@@ -21,7 +21,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.mlp_dim = 16_384
   c.dtype = "bfloat16"
   c.remat_policy = "full"
-  c.optimizer_state_dtype = "bfloat16"  # Adam moments: 11.7 of the 35 GiB of state per chip
+  c.optimizer_state_dtype = "bfloat16"  # Adam moments in bf16 (docs/aot-memory.md)
   c.attention_impl = "auto"  # splash attention on TPU
   c.attention_block = 512    # with attention_impl='xla': a [4, 40, 512, 8192] f32 score block
   c.loss_chunk = 512        # a [4, 512, 202048] float32 logits block at a time
@@ -30,12 +30,12 @@ def get_config() -> ml_collections.ConfigDict:
   c.shared_expert = True
   # 32 fallback chunks of 1,024 tokens (a chunk's worst case is 1/4 of the capped buffer)
   # rather than the fewest that fit (8, each the capped buffer's size): the TPU compiler does
-  # not overlap the chunk's buffers with the capped path's, and on v5p-256 the fallback step
-  # measured 86.91 GiB per chip with 8 chunks, 81.74 with 32, 81.74 with 64 (capped 79.94).
+  # not overlap the chunk's buffers with the capped path's, so smaller chunks cost less on top
+  # of the capped step (docs/aot-memory.md has the figures per chunk count).
   c.moe.dropless_fallback_num_chunks = 32
   # jax's Pallas TPU grouped matmul: its backward reads the experts' weights transposed in
   # place, where XLA's ragged_dot copied all three [8, 5120, 8192] stacks into another layout
-  # in every chunk of the fallback's backward (1.9 GiB per chip).
+  # in every chunk of the fallback's backward (docs/aot-memory.md).
   c.moe.gmm_impl = "megablox"
   c.data.update(source="synthetic", batch_size=4 * 128, seq_len=8192)
   return c

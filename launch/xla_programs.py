@@ -1,4 +1,4 @@
-"""Ahead-of-time compilation helpers: TPU topology meshes and compiler memory figures.
+"""Compiling ahead of time: TPU topology devices, abstract inputs and compiler memory figures.
 
 A TPU topology needs the libtpu wheel matching jax (`jax[tpu]==<jax version>`) but no TPU:
 `jax.jit(f).lower(...).compile()` then compiles for that topology from any machine.
