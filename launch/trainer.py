@@ -226,17 +226,16 @@ class _Reporter:
     self._since = time.perf_counter()
 
 
-def _autopilot(config, mesh, steps: Steps, moe_metrics: metrics.MoEMetrics
+def _autopilot(config, mesh, steps: Steps, moe_metrics: metrics.MoEMetrics, worst_case: float
                ) -> autopilot.Autopilot | None:
-  """The buffer-factor autopilot of `config.autopilot`, or None when it is off."""
-  m, pilot = config.moe, config.autopilot
+  """The buffer-factor autopilot of `config.autopilot`, or None when it is off; `worst_case`
+  is the worst-case buffer's factor, its highest candidate."""
+  pilot = config.autopilot
   if not pilot.enabled:
     return None
   controller = autopilot.FactorController(
-      m.ragged_buffer_factor, target=pilot.target_fallback_frequency,
-      worst_case=dispatch_plan.worst_case_factor(m.num_experts, m.num_experts_per_tok,
-                                           config.mesh[m.expert_axis]),
-      window=pilot.window)
+      config.moe.ragged_buffer_factor, target=pilot.target_fallback_frequency,
+      worst_case=worst_case, window=pilot.window)
   cache = autopilot.ProgramCache(programs.compiler(config, mesh, steps),
                                  budget_bytes=programs.memory_budget_bytes(config, mesh),
                                  max_programs=pilot.max_programs)
@@ -306,7 +305,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   state = steps.init(jax.random.key(config.seed)) if restored is None else restored.state
   m = config.moe
   worst = dispatch_plan.worst_case_factor(m.num_experts, m.num_experts_per_tok,
-                                    config.mesh[m.expert_axis])
+                                          config.mesh[m.expert_axis])
   batch_rows = config.data.batch_size
   preemption = _Preemption()
   pilot = None
@@ -315,7 +314,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   try:
     with metrics.MoEMetrics(workdir, worst_case_factor=worst, hparams=flat_hparams(config),
                             flush_on_sigterm=False) as moe_metrics:
-      pilot = _autopilot(config, mesh, steps, moe_metrics)
+      pilot = _autopilot(config, mesh, steps, moe_metrics, worst)
       if restored is not None:
         data.set_state(restored.data)
         moe_metrics.aggregator.load_state_dict(restored.moe_metrics)
