@@ -151,14 +151,15 @@ class _Totals:
 
 class _Reporter:
   """Fetches pending steps' outputs from the device in one transfer and writes every step's
-  points: training scalars always; the MoE telemetry when `config.moe_metrics`; the routed
-  traffic to `WORKDIR/traffic` (process 0) when `config.traffic.record`; feeds the
-  autopilot, if any; prints the interval's progress line."""
+  points: training scalars always (to the run's `writer`); the MoE telemetry when
+  `config.moe_metrics`; the routed traffic to `WORKDIR/traffic` (process 0) when
+  `config.traffic.record`; feeds the autopilot, if any; prints the interval's progress line."""
 
-  def __init__(self, config, moe_metrics: metrics.MoEMetrics, tokens_per_step: int,
-               recorder: traffic.TrafficRecorder | None, pilot: autopilot.Autopilot | None,
-               console: console_lib.Console):
+  def __init__(self, config, writer: metrics.MoEMetricsWriter, moe_metrics: metrics.MoEMetrics,
+               tokens_per_step: int, recorder: traffic.TrafficRecorder | None,
+               pilot: autopilot.Autopilot | None, console: console_lib.Console):
     self.config = config
+    self.writer = writer
     self.moe_metrics = moe_metrics
     self.tokens_per_step = tokens_per_step
     self.recorder = recorder
@@ -193,10 +194,8 @@ class _Reporter:
       if self.config.moe_metrics:
         extra["moe/ragged_buffer_factor"] = p.factor
         self.moe_metrics.report_step(
-            p.step, stats, dropless_steps=self.dropless_steps if "dropless" in out else None,
-            extra_scalars=extra)
-      else:
-        self.moe_metrics.writer.write_scalars(p.step, extra)
+            p.step, stats, dropless_steps=self.dropless_steps if "dropless" in out else None)
+      self.writer.write_scalars(p.step, extra)
       if skipped:
         self.moe_metrics.alerts.nonfinite_step(p.step, float(out["loss"]),
                                                float(out["grad_norm"]))
@@ -208,8 +207,7 @@ class _Reporter:
                            [p.factor for p in pending])
     if self.config.moe_metrics:
       self.moe_metrics.end_interval(pending[-1].step)
-    else:
-      self.moe_metrics.writer.flush()
+    self.writer.flush()
     totals.steps += len(pending)
     totals.fallback_steps += interval_fallbacks
     totals.dropped_rows += interval_dropped
@@ -312,8 +310,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   alerts_before = _alerts_written(workdir)
   started = time.perf_counter()
   try:
-    with metrics.MoEMetrics(workdir, worst_case_factor=worst, hparams=flat_hparams(config),
-                            flush_on_sigterm=False) as moe_metrics:
+    # The run's event files: the trainer's scalars, and the MoE layers' through moe_metrics.
+    with metrics.MoEMetricsWriter(workdir) as writer, metrics.MoEMetrics(
+        workdir, worst_case_factor=worst, writer=writer, flush_on_sigterm=False) as moe_metrics:
+      writer.write_hparams(flat_hparams(config))
       pilot = _autopilot(config, mesh, steps, moe_metrics, worst)
       if restored is not None:
         data.set_state(restored.data)
@@ -333,8 +333,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
           tokens_per_device=batch_rows * config.data.seq_len // jax.device_count(),
           max_bytes=config.traffic.max_mib * 1024 ** 2)
           if config.traffic.record and jax.process_index() == 0 else None)
-      reporter = _Reporter(config, moe_metrics, batch_rows * config.data.seq_len, recorder, pilot,
-                           console)
+      reporter = _Reporter(config, writer, moe_metrics, batch_rows * config.data.seq_len,
+                           recorder, pilot, console)
       totals = reporter.totals
       first = int(state.step)
 
@@ -379,7 +379,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
           totals.eval_loss = float(np.mean([
               steps.eval_loss(state.params, _place_batch(data.eval_batch(i), steps, batch_rows))
               for i in range(config.eval_batches)]))
-          moe_metrics.writer.write_scalars(step, {"eval/loss": totals.eval_loss})
+          writer.write_scalars(step, {"eval/loss": totals.eval_loss})
         if checkpoints.should_save(step + 1) or stopping or done:
           save(step + 1)
         if stopping:

@@ -34,9 +34,11 @@ class MoEMetrics:
                quantile: float = 0.99, alert_config: AlertConfig = AlertConfig(),
                alert_callback: Callable[[Alert], None] | None = None,
                hparams: Mapping[str, Any] | None = None, asynchronous: bool = True,
-               flush_on_sigterm: bool = True):
+               flush_on_sigterm: bool = True, writer: MoEMetricsWriter | None = None):
     self.aggregator = Aggregator(window=window, quantile=quantile)
-    self.writer = MoEMetricsWriter(workdir, asynchronous=asynchronous)
+    # A writer passed in belongs to the caller, who closes it; otherwise one of its own.
+    self._owns_writer = writer is None
+    self.writer = MoEMetricsWriter(workdir, asynchronous=asynchronous) if writer is None else writer
     self.alerts = AlertManager(worst_case_factor=worst_case_factor, workdir=workdir,
                                callback=alert_callback, config=alert_config)
     if hparams:
@@ -103,4 +105,7 @@ class MoEMetrics:
     if self._open:
       events.remove_sink(self._on_event)
       self._open = False
-    self.writer.close()
+    if self._owns_writer:
+      self.writer.close()
+    else:
+      self.writer.flush()

@@ -102,6 +102,12 @@ class MoEMetricsWriter:
     self._lock = threading.Lock()
     atexit.register(self.close)
 
+  def __enter__(self) -> "MoEMetricsWriter":
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
   @property
   def clu_writer(self) -> metric_writers.MetricWriter:
     """The underlying CLU writer (e.g. for `periodic_actions.ReportProgress`)."""

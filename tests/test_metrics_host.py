@@ -1,4 +1,5 @@
-"""Host-side aggregation and alert rules, driven by synthetic layer events."""
+"""Host-side aggregation, alert rules and the writer's owner, driven by synthetic layer events."""
+import glob
 import json
 import random
 import sys
@@ -7,7 +8,9 @@ import threading
 import numpy as np
 import pytest
 
-from metrics import Aggregator, AlertConfig, AlertManager
+from metrics import Aggregator, AlertConfig, AlertManager, MoEMetrics, MoEMetricsWriter
+from metrics.event_files import read_scalars
+from metrics.writer import DROPLESS_STEPS_TAG
 from moe_hk import MoEStats
 from moe_hk.events import CAPPED_EVENT, FALLBACK_EVENT, LayerEvent
 
@@ -243,3 +246,19 @@ def test_nonfinite_tokens_tag_every_step():
   assert NONFINITE_TOKENS_TAG == "moe/nonfinite_tokens"
   assert scalars["moe/nonfinite_tokens/layer_0"] == 5
   assert scalars["moe/nonfinite_tokens/layer_1"] == 0
+
+
+def test_a_writer_passed_in_stays_open_for_its_owner(tmp_path):
+  """The trainer's route: its writer takes the MoE tags and its own scalars, in one set of
+  event files; closing MoEMetrics leaves that writer open, its owner closes it."""
+  workdir = str(tmp_path)
+  one_layer = type(_event(0, 0).stats)(*(np.asarray(f)[None] for f in _event(0, 0).stats))
+  with MoEMetricsWriter(workdir, asynchronous=False) as writer:
+    with MoEMetrics(workdir, worst_case_factor=4.0, writer=writer,
+                    flush_on_sigterm=False) as moe_metrics:
+      assert moe_metrics.writer is writer
+      moe_metrics.report_step(0, one_layer, dropless_steps=1)
+    writer.write_scalars(0, {"train/loss": 2.0})  # after MoEMetrics closed
+  scalars = read_scalars(workdir)
+  assert scalars[DROPLESS_STEPS_TAG] == {0: 1.0} and scalars["train/loss"] == {0: 2.0}
+  assert len(glob.glob(f"{workdir}/events.out.tfevents.*")) == 1
