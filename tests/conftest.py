@@ -27,12 +27,14 @@ jax.config.update("jax_default_matmul_precision", "highest")
 # xdist's `xdist_group` marks cannot do it under pytest 9 (xdist renames the nodeid by writing
 # `item._nodeid`, which pytest 9 no longer reads), so the groups are declared here.
 WORKER_GROUPS = (
-    (r"tests/test_launch\.py::", "launch"),
+    # The SIGTERM test shares neither the step cache nor the baseline run: it goes to either.
+    (r"tests/test_launch\.py::(?!test_sigterm_)", "launch"),
     (r"tests/test_metrics_tensorboard\.py::", "metrics_tensorboard"),
-    (r"tests/test_fallback_memory\.py::", "fallback_memory"),
+    (r"tests/test_fallback_memory\.py::.*\[(cpu|tpu)-", r"fallback_memory_\1"),
     (r"tests/test_tpu_aot\.py::", "tpu_aot"),
     (r"tests/test_adaptive_fallback\.py::.*\b(all_to_all|ring)\]$", r"adaptive_\1"),
     (r"tests/test_step_mode\.py::.*\b(all_to_all|ring)\]$", r"step_mode_\1"),
+    (r"tests/test_grouped_matmul\.py::test_expert_mlp_.*-(\w+-\d+)\]$", r"grouped_matmul_\1"),
 )
 
 

@@ -38,10 +38,11 @@ def require_libtpu() -> None:
 
 
 # The metrics tests' three-layer model: layer 0 overflows and falls back, layer 1 overflows
-# and drops, layer 2 has the worst-case buffer. Fixed chunking: the chunking is not their
-# subject (tests/test_adaptive_fallback.py's is), and it compiles one fallback branch.
+# and drops, layer 2 has the worst-case buffer. Fixed chunking and XLA's ragged_dot: neither
+# the chunking (tests/test_adaptive_fallback.py's subject) nor the grouped matmul
+# (tests/test_grouped_matmul.py's) is theirs, and these compile quickest.
 MESH_SHAPE = dict(data=2, expert=4)
-BASE = dict(num_experts=8, num_experts_per_tok=2, emb_dim=16, mlp_dim=32, gmm_block_rows=8,
+BASE = dict(num_experts=8, num_experts_per_tok=2, emb_dim=16, mlp_dim=32, gmm_impl="ragged_dot",
             dropless_fallback_chunking="fixed")
 LAYER_CONFIGS = [dict(ragged_buffer_factor=0.5, moe_dropless_fallback="layer"),
                  dict(ragged_buffer_factor=0.5, moe_dropless_fallback="none"),
@@ -59,9 +60,18 @@ def unrolled_model(mesh) -> hk.TransformedWithState:
   return hk.transform_with_state(forward)
 
 
+# The launcher tests' grouped matmul: XLA's ragged_dot, the quickest to compile (the CPU
+# default, `blocked`, takes about 1.4x as long; the backends are tests/test_grouped_matmul.py's
+# and tests/test_layer.py's subject). Subprocess runs get it as a flag (TINY_FLAGS).
+TINY_GMM = "ragged_dot"
+TINY_FLAGS = (f"--config.moe.gmm_impl={TINY_GMM}",)
+
+
 def tiny_config(**overrides) -> ml_collections.ConfigDict:
-  """The launcher's tiny config with top-level fields replaced."""
+  """The launcher's tiny config with the tests' grouped matmul (TINY_GMM) and top-level
+  fields replaced."""
   c = tiny.get_config()
+  c.moe.gmm_impl = TINY_GMM
   c.update(overrides)
   return c
 

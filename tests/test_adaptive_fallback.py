@@ -30,7 +30,7 @@ Rung = fallback.Rung
 
 def _config(**kw):
   base = dict(num_experts=EXPERTS, num_experts_per_tok=K, emb_dim=16, mlp_dim=32,
-              ragged_buffer_factor=FACTOR, gmm_block_rows=8, moe_dropless_fallback="layer",
+              ragged_buffer_factor=FACTOR, gmm_impl="ragged_dot", moe_dropless_fallback="layer",
               dropless_fallback_chunking="adaptive")
   return moe_hk.MoEConfig(**{**base, **kw})
 

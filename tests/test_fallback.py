@@ -20,29 +20,35 @@ OVERFLOW = [(4, 8, 2, 0.5, 16), (8, 8, 1, 0.25, 32), (2, 4, 2, 0.4, 16), (8, 16,
 
 
 def _config(experts, k, factor, **kw):
-  return moe_hk.MoEConfig(num_experts=experts, num_experts_per_tok=k, emb_dim=16, mlp_dim=32,
-                          ragged_buffer_factor=factor, gmm_block_rows=8, **kw)
+  return moe_hk.MoEConfig(**{**dict(num_experts=experts, num_experts_per_tok=k, emb_dim=16,
+                                    mlp_dim=32, ragged_buffer_factor=factor, gmm_block_rows=8,
+                                    gmm_impl="ragged_dot"), **kw})
 
 
 def _layer(config, mesh, **kw):
   return functools.partial(moe_hk.moe_forward, config=config, mesh=mesh, **kw)
 
 
-# (case, path, chunking, grouped matmul, extras): every case on both paths with fixed chunking
-# and the CPU backend; adaptive chunking on one case per path (tests/test_adaptive_fallback.py
-# is its subject); the megablox kernels (interpreted, slow) on two cases; `force_dropless` and
-# the step mode's layer on one case each (tests/test_step_mode.py covers step mode on both
-# paths).
+# (case, path, chunking, grouped matmul, extras): every case on both paths with fixed chunking;
+# the grouped matmul is XLA's `ragged_dot` (the quickest to compile) except on the first case,
+# which runs the CPU default `blocked` on both paths, and two cases with the megablox kernels
+# (interpreted, slow): the grouped matmuls are tests/test_grouped_matmul.py's subject.
+# Adaptive chunking on one case per path, the quickest to compile (its ladder is the shortest),
+# with megablox on the all-to-all path (tests/test_adaptive_fallback.py is its subject);
+# `force_dropless` and the step mode's layer on one case each (tests/test_step_mode.py covers
+# step mode on both paths).
 _EXTRAS = {(OVERFLOW[0], False, "fixed"): ("force_dropless",),
            (OVERFLOW[3], True, "fixed"): ("step",)}
 FALLBACK_CASES = [
     pytest.param(*case, ring, chunking, gmm, _EXTRAS.get((case, ring, chunking), ()) if
-                 gmm == "blocked" else (), id="-".join(
+                 gmm != "megablox" else (), id="-".join(
                      [*map(str, case), "ring" if ring else "all_to_all", chunking, gmm]))
     for case, ring, chunking, gmm in
-    [(case, ring, "fixed", "blocked") for case in OVERFLOW for ring in (False, True)]
-    + [(OVERFLOW[1], False, "adaptive", "blocked"), (OVERFLOW[2], True, "adaptive", "blocked"),
-       (OVERFLOW[0], False, "adaptive", "megablox"), (OVERFLOW[3], True, "fixed", "megablox")]]
+    [(case, ring, "fixed", "blocked" if case == OVERFLOW[0] else "ragged_dot")
+     for case in OVERFLOW for ring in (False, True)]
+    + [(OVERFLOW[2], False, "adaptive", "megablox"), (OVERFLOW[2], True, "adaptive",
+                                                      "ragged_dot"),
+       (OVERFLOW[3], True, "fixed", "megablox")]]
 
 
 @pytest.mark.parametrize("shards,experts,k,factor,seq,ring,chunking,gmm,extras", FALLBACK_CASES)

@@ -6,6 +6,7 @@ step, and below both the naive unrolled chunk loop and the worst-case buffer.
 """
 import functools
 
+import jax
 import pytest
 
 from benchmarks import fallback_memory
@@ -23,11 +24,15 @@ FALLBACKS = ["fallback_scan", "fallback_adaptive"]
 
 @functools.lru_cache(maxsize=None)
 def _mib(platform: str) -> dict:
+  """MiB per device of each variant's step, at jax's default matmul precision, as
+  `benchmarks.fallback_memory` measures it: the suite's 'highest' (tests/conftest.py) changes
+  the TPU compiler's fusions, so its figures, and slows its compiles (docs/testing.md)."""
   if platform == "tpu":
     require_libtpu()
-  return {v: xla_programs.total_memory_bytes(
-      fallback_memory.compile_step(v, platform, layers=0)) / 2**20
-          for v in ("worst_case", "capped", "fallback_unrolled", *FALLBACKS)}
+  with jax.default_matmul_precision("default"):
+    return {v: xla_programs.total_memory_bytes(
+        fallback_memory.compile_step(v, platform, layers=0)) / 2**20
+            for v in ("worst_case", "capped", "fallback_unrolled", *FALLBACKS)}
 
 
 @pytest.mark.slow

@@ -20,6 +20,21 @@ def _dense_reference(x, wi_0, wi_1, wo, group_sizes):
   return jnp.einsum("mf,mfd->md", h, wo[g]) * valid[:, None]
 
 
+def _value_and_grads(fn, x, wi_0, wi_1, wo, sizes, cot):
+  """`fn(x, wi_0, wi_1, wo, sizes)` and the gradients of `sum(fn(...) * cot)` in the four."""
+  loss = lambda *a: jnp.sum(fn(*a, sizes) * cot)
+  return fn(x, wi_0, wi_1, wo, sizes), jax.grad(loss, argnums=(0, 1, 2, 3))(x, wi_0, wi_1, wo)
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_mlp(impl: str, block_rows: int):
+  """The jitted `_value_and_grads` of one backend, group sizes an argument: the cases of one
+  backend share it (one worker runs them, tests/conftest.py WORKER_GROUPS)."""
+  mlp = functools.partial(grouped_matmul.expert_mlp, impl=impl, block_rows=max(block_rows, 1),
+                          interpret=True)  # megablox: Pallas's interpreter on CPU
+  return jax.jit(functools.partial(_value_and_grads, mlp))
+
+
 @pytest.mark.parametrize("impl,block_rows", [
     ("blocked", 1), ("blocked", 3), ("blocked", 8), ("blocked", 128), ("ragged_dot", 0),
     ("megablox", 0)])
@@ -32,15 +47,8 @@ def test_expert_mlp_matches_per_row_reference(impl, block_rows, group_sizes):
                        for s in [(rows, d), (g, d, f), (g, d, f), (g, f, d)])
   sizes = jnp.asarray(group_sizes, jnp.int32)
   cot = jnp.asarray(rng.normal(size=(rows, d)), jnp.float32)
-  mlp = functools.partial(grouped_matmul.expert_mlp, impl=impl, block_rows=max(block_rows, 1),
-                          interpret=True)  # megablox: Pallas's interpreter on CPU
-
-  def value_and_grads(fn):
-    loss = lambda *a: jnp.sum(fn(*a, sizes) * cot)
-    return fn(x, wi_0, wi_1, wo, sizes), jax.grad(loss, argnums=(0, 1, 2, 3))(x, wi_0, wi_1, wo)
-
-  y, grads = jax.jit(lambda: value_and_grads(mlp))()
-  y_ref, grads_ref = value_and_grads(_dense_reference)
+  y, grads = _compiled_mlp(impl, block_rows)(x, wi_0, wi_1, wo, sizes, cot)
+  y_ref, grads_ref = _value_and_grads(_dense_reference, x, wi_0, wi_1, wo, sizes, cot)
   assert_trees_close(y, y_ref, what="y")
   for name, a, b in zip(["dx", "dwi_0", "dwi_1", "dwo"], grads, grads_ref):
     if name == "dx" and impl == "megablox":  # undefined on padding rows (grouped_rows below)

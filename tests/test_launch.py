@@ -24,7 +24,7 @@ from launch import capacity, model, overrides, trainer
 from launch.errors import UserError
 from metrics import traffic
 from metrics.event_files import read_histograms, read_images, read_scalars
-from tests.helpers import ROOT, TINY, cached_make_steps, free_port, tiny_config
+from tests.helpers import ROOT, TINY, TINY_FLAGS, cached_make_steps, free_port, tiny_config
 
 # Every test here shares one worker's step cache and the baseline run (tests/conftest.py
 # WORKER_GROUPS).
@@ -70,13 +70,15 @@ def baseline(tmp_path_factory) -> Baseline:
 
 
 def launch(workdir, *flags, devices=8, env=None):
-  """`python -m launch.train` on the tiny config as a subprocess (not waited for)."""
+  """`python -m launch.train` on the tests' tiny config (`tiny_config()`) as a subprocess (not
+  waited for)."""
   xla_flags = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
                        if not f.startswith("--xla_force_host_platform_device_count"))
   env = dict(os.environ, **(env or {}),
              XLA_FLAGS=f"{xla_flags} --xla_force_host_platform_device_count={devices}")
   return subprocess.Popen(
-      [sys.executable, "-m", "launch.train", f"--workdir={workdir}", f"--config={TINY}", *flags],
+      [sys.executable, "-m", "launch.train", f"--workdir={workdir}", f"--config={TINY}",
+       *TINY_FLAGS, *flags],
       cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -326,10 +328,10 @@ def test_config_moe_keys_are_the_layer_fields():
   fields = {f.name for f in dataclasses.fields(moe_hk.MoEConfig)}
   derived = {"emb_dim", "dtype", "record_traffic"}
   assert set(c.moe) == fields - derived and set(c.moe) | derived == fields
-  c.moe.gmm_impl, c.moe.gmm_block_rows, c.moe.a2a_impl = "ragged_dot", 16, "emulated"
+  c.moe.gmm_impl, c.moe.gmm_block_rows, c.moe.a2a_impl = "blocked", 16, "emulated"
   c.traffic.record = False
   built = model.moe_config(c)
-  assert (built.gmm_impl, built.gmm_block_rows, built.a2a_impl) == ("ragged_dot", 16, "emulated")
+  assert (built.gmm_impl, built.gmm_block_rows, built.a2a_impl) == ("blocked", 16, "emulated")
   assert (built.emb_dim, built.dtype, built.record_traffic) == (c.emb_dim, c.dtype, False)
 
 

@@ -10,7 +10,7 @@ import pytest
 
 import moe_hk
 from launch import model as model_lib
-from launch.configs import tiny
+from tests.helpers import tiny_config
 from tests.tree_close import assert_trees_close, relative_error
 
 
@@ -75,7 +75,7 @@ def test_rms_norm_and_swiglu_match_formulas():
 
 
 def _tiny_config(shared_expert: bool):
-  c = tiny.get_config()
+  c = tiny_config()
   c.shared_expert = shared_expert
   c.moe.ragged_buffer_factor = -1.0  # worst-case buffer: no overflow cond, faster to compile
   return c
@@ -130,7 +130,7 @@ def test_remat_policies_give_the_same_step_and_keep_fallback_events():
   try:
     results, params = {}, None
     for policy in model_lib.REMAT_POLICIES:
-      c = tiny.get_config()
+      c = tiny_config()
       c.remat_policy = policy
       net = hk.transform(lambda t, s, c=c: model_lib.Transformer(c, mesh, name="model")(t, s))
       if params is None:  # the policy changes the backward, not the parameters

@@ -10,8 +10,9 @@ import moe_hk
 from tests import reference
 from tests.moe_inputs import skewed_inputs
 
-# Fixed chunking: the telemetry, not the chunking, is the subject (one compiled fallback branch).
-BASE = dict(num_experts=8, num_experts_per_tok=2, emb_dim=16, mlp_dim=32, gmm_block_rows=8,
+# Fixed chunking and XLA's ragged_dot: the telemetry, not the chunking or the grouped matmul, is
+# the subject (one compiled fallback branch, the quickest backend to compile).
+BASE = dict(num_experts=8, num_experts_per_tok=2, emb_dim=16, mlp_dim=32, gmm_impl="ragged_dot",
             dropless_fallback_chunking="fixed")
 
 

@@ -41,10 +41,15 @@ def _sgd(params, gradients):
   return jax.tree.map(lambda p, g: p - 0.1 * g, params, gradients)
 
 
+# XLA's ragged_dot: the quickest grouped matmul to compile (the backends are
+# tests/test_grouped_matmul.py's subject).
+GMM = "ragged_dot"
+
+
 def _config(ring: bool, mode: str) -> moe_hk.MoEConfig:
   return moe_hk.MoEConfig(num_experts=8, num_experts_per_tok=K, emb_dim=16, mlp_dim=32,
                           ragged_buffer_factor=2.0, use_ring_of_experts=ring,
-                          moe_dropless_fallback=mode, gmm_block_rows=8)
+                          moe_dropless_fallback=mode, gmm_impl=GMM)
 
 
 def _mesh():
