@@ -8,6 +8,7 @@ import os
 import socket
 
 import haiku as hk
+import jax
 import ml_collections
 import pytest
 
@@ -23,6 +24,14 @@ def free_port() -> int:
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     return s.getsockname()[1]
+
+
+def user_precision():
+  """A context at jax's default matmul precision, the one users, the benchmarks and
+  `launch.aot` compile at. The suite's 'highest' (tests/conftest.py) serves the float32
+  comparisons on CPU; in a TPU compile it turns each float32 matmul into several passes,
+  which changes the compiler's fusions (so the memory figures) and slows it down."""
+  return jax.default_matmul_precision("default")
 
 
 def require_libtpu() -> None:

@@ -6,12 +6,11 @@ step, and below both the naive unrolled chunk loop and the worst-case buffer.
 """
 import functools
 
-import jax
 import pytest
 
 from benchmarks import fallback_memory
 from launch import xla_programs
-from tests.helpers import require_libtpu
+from tests.helpers import require_libtpu, user_precision
 
 # One worker compiles each platform's variants once for all the module's tests
 # (tests/conftest.py WORKER_GROUPS).
@@ -24,12 +23,11 @@ FALLBACKS = ["fallback_scan", "fallback_adaptive"]
 
 @functools.lru_cache(maxsize=None)
 def _mib(platform: str) -> dict:
-  """MiB per device of each variant's step, at jax's default matmul precision, as
-  `benchmarks.fallback_memory` measures it: the suite's 'highest' (tests/conftest.py) changes
-  the TPU compiler's fusions, so its figures, and slows its compiles (docs/testing.md)."""
+  """MiB per device of each variant's step, at the precision `benchmarks.fallback_memory`
+  measures at."""
   if platform == "tpu":
     require_libtpu()
-  with jax.default_matmul_precision("default"):
+  with user_precision():
     return {v: xla_programs.total_memory_bytes(
         fallback_memory.compile_step(v, platform, layers=0)) / 2**20
             for v in ("worst_case", "capped", "fallback_unrolled", *FALLBACKS)}

@@ -5,7 +5,7 @@ import moe_hk
 from launch import aot
 from launch.steps import abstract_inputs, make_steps
 from launch.configs import tiny
-from tests.helpers import require_libtpu
+from tests.helpers import require_libtpu, user_precision
 
 
 @pytest.mark.parametrize("topology,devices", [("v5p-16", 8), ("v5p:2x2x2", 8), ("cpu:8", 8)])
@@ -32,8 +32,9 @@ def test_train_step_memory_per_variant():
   require_libtpu()
   devices = aot.topology_devices("v5p-16")
   config = tiny.get_config()
-  rows = {v: aot.compile_variant(config, devices, v) for v in ("fallback_scan",
-                                                                "fallback_unrolled")}
+  with user_precision():
+    rows = {v: aot.compile_variant(config, devices, v) for v in ("fallback_scan",
+                                                                  "fallback_unrolled")}
   for row in rows.values():
     assert row["compiled"] and row["argument_bytes"] > 0 and row["temp_bytes"] > 0
   assert rows["fallback_scan"]["total_bytes"] < rows["fallback_unrolled"]["total_bytes"]
@@ -50,7 +51,8 @@ def test_train_step_with_splash_attention_compiles_for_v5p():
   devices = aot.topology_devices("v5p-16")
   mesh = moe_hk.make_mesh(**config.mesh, devices=devices)
   steps = make_steps(config, mesh)
-  hlo = steps.train.lower(*abstract_inputs(config, steps)).compile().as_text()
+  with user_precision():
+    hlo = steps.train.lower(*abstract_inputs(config, steps)).compile().as_text()
   assert hlo.count('custom_call_target="tpu_custom_call"') >= 3  # forward, dq, dkv
   with pytest.raises(ValueError, match=r"config.attention_impl='splash' runs only on tpu"):
     make_steps(config, moe_hk.make_mesh(**config.mesh))

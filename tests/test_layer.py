@@ -15,12 +15,15 @@ from tests.tree_close import assert_trees_close
 BATCH, SEQ, WIDTH, HIDDEN = 16, 8, 16, 32
 NUM_DEVICES = 8
 
-# (expert shards P, top-k K, experts per shard multiple, buffer factor): a pairwise cover of
-# P in {2, 4, 8} x K in {1, 2, 4} x E in {1, 2, 4} x P x factor in {-1, 0.5, 1, 2}.
+# (expert shards P, top-k K, experts per shard multiple, buffer factor, grouped matmul): a
+# pairwise cover of P in {2, 4, 8} x K in {1, 2, 4} x E in {1, 2, 4} x P x factor in
+# {-1, 0.5, 1, 2}, each value of each with both CPU backends (B: the default `blocked`,
+# R: XLA's `ragged_dot`, the quicker to compile).
+B, R = "blocked", "ragged_dot"
 GRID = [
-    (2, 1, 1, -1), (2, 2, 2, 0.5), (2, 4, 4, 1.0), (2, 1, 4, 2.0),
-    (4, 1, 1, 0.5), (4, 2, 2, 1.0), (4, 4, 1, 2.0), (4, 2, 4, -1),
-    (8, 1, 1, 1.0), (8, 2, 1, 2.0), (8, 4, 2, 0.5), (8, 1, 2, -1), (8, 4, 1, 1.0),
+    (2, 1, 1, -1, B), (2, 2, 2, 0.5, B), (2, 4, 4, 1.0, B), (2, 1, 4, 2.0, R),
+    (4, 1, 1, 0.5, B), (4, 2, 2, 1.0, B), (4, 4, 1, 2.0, B), (4, 2, 4, -1, R),
+    (8, 1, 1, 1.0, B), (8, 2, 1, 2.0, R), (8, 4, 2, 0.5, R), (8, 1, 2, -1, R), (8, 4, 1, 1.0, R),
 ]
 
 
@@ -35,7 +38,8 @@ def _setup(shards, k, mult, factor, **overrides):
   return mesh, config, params, x
 
 
-RING_GRID = [(2, 2, 2, 0.5), (4, 1, 1, 1.0), (8, 2, 1, 2.0), (8, 4, 2, -1), (4, 2, 4, 0.5)]
+RING_GRID = [(2, 2, 2, 0.5, B), (4, 1, 1, 1.0, R), (8, 2, 1, 2.0, B), (8, 4, 2, -1, R),
+             (4, 2, 4, 0.5, R)]
 
 
 def _assert_layer_matches_reference(shards, k, mult, factor, **overrides):
@@ -79,10 +83,11 @@ def _assert_layer_matches_reference(shards, k, mult, factor, **overrides):
   return dropped, grads
 
 
-@pytest.mark.parametrize("ring,shards,k,mult,factor",
+@pytest.mark.parametrize("ring,shards,k,mult,factor,gmm",
                          [(False, *g) for g in GRID] + [(True, *g) for g in RING_GRID])
-def test_layer_matches_dense_reference(ring, shards, k, mult, factor):
-  _assert_layer_matches_reference(shards, k, mult, factor, use_ring_of_experts=ring)
+def test_layer_matches_dense_reference(ring, shards, k, mult, factor, gmm):
+  _assert_layer_matches_reference(shards, k, mult, factor, use_ring_of_experts=ring,
+                                  gmm_impl=gmm)
 
 
 # (ring, P, K, experts per shard multiple, factor): Llama4's top-1, capped (drops rows) on both

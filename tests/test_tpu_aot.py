@@ -15,7 +15,7 @@ from jax.sharding import NamedSharding
 import moe_hk
 from launch import xla_programs
 from moe_hk import mesh as mesh_lib
-from tests.helpers import require_libtpu
+from tests.helpers import require_libtpu, user_precision
 
 # The compiles are cached for the module: its tests share one worker (tests/conftest.py
 # WORKER_GROUPS).
@@ -49,7 +49,8 @@ def _compiled(config: moe_hk.MoEConfig, seq: int = SEQ):
   def loss(p, xx):
     y, stats = moe_hk.moe_forward(p, xx, config=config, mesh=mesh)
     return jnp.sum(y ** 2) + stats.lb_loss
-  return jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(params, x).compile()
+  with user_precision():
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(params, x).compile()
 
 
 def _config(factor, **kw):
