@@ -69,9 +69,9 @@ def unrolled_model(mesh) -> hk.TransformedWithState:
   return hk.transform_with_state(forward)
 
 
-# The launcher tests' grouped matmul: XLA's ragged_dot, the quickest to compile (the CPU
-# default, `blocked`, takes about 1.4x as long; the backends are tests/test_grouped_matmul.py's
-# and tests/test_layer.py's subject). Subprocess runs get it as a flag (TINY_FLAGS).
+# The launcher tests' grouped matmul: XLA's ragged_dot, quicker to compile than the CPU default
+# `blocked` (docs/testing.md; the backends are tests/test_grouped_matmul.py's and
+# tests/test_layer.py's subject). Subprocess runs get it as a flag (TINY_FLAGS).
 TINY_GMM = "ragged_dot"
 TINY_FLAGS = (f"--config.moe.gmm_impl={TINY_GMM}",)
 
