@@ -17,7 +17,9 @@ from tests.tree_close import assert_trees_close, relative_error
 
 # Per path, the cases share compiled steps (`_step`): each path's cases run on one worker
 # (tests/conftest.py WORKER_GROUPS).
-PATHS = pytest.mark.parametrize("ring", [False, True], ids=["all_to_all", "ring"])
+# The all-to-all path's compiled cases are marked slow: `make test-fast` runs the ring's.
+PATHS = pytest.mark.parametrize("ring", [pytest.param(False, marks=pytest.mark.slow), True],
+                                ids=["all_to_all", "ring"])
 
 # 8 shards, 16 experts, top-2, factor 1.25, one 64-token row per shard: R = 160 rows and a
 # worst case of 8 x 64 x 2 = 1024, so only chunks of 8 tokens always fit (128 rows).

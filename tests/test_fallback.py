@@ -39,10 +39,14 @@ def _layer(config, mesh, **kw):
 # step mode on both paths).
 _EXTRAS = {(OVERFLOW[0], False, "fixed"): ("force_dropless",),
            (OVERFLOW[3], True, "fixed"): ("step",)}
+# `make test-fast` runs the third case's fixed chunking on both paths (the quickest); the rest
+# are marked slow.
+_FAST = {(OVERFLOW[2], False, "fixed", "ragged_dot"), (OVERFLOW[2], True, "fixed", "ragged_dot")}
 FALLBACK_CASES = [
     pytest.param(*case, ring, chunking, gmm, _EXTRAS.get((case, ring, chunking), ()) if
                  gmm != "megablox" else (), id="-".join(
-                     [*map(str, case), "ring" if ring else "all_to_all", chunking, gmm]))
+                     [*map(str, case), "ring" if ring else "all_to_all", chunking, gmm]),
+                 marks=() if (case, ring, chunking, gmm) in _FAST else pytest.mark.slow)
     for case, ring, chunking, gmm in
     [(case, ring, "fixed", "blocked" if case == OVERFLOW[0] else "ragged_dot")
      for case in OVERFLOW for ring in (False, True)]
@@ -87,7 +91,8 @@ def test_layer_fallback_equals_dropless(ring, shards, experts, k, factor, seq, c
     assert_trees_close(grads_step, grads_ref, what="step-mode grad")
 
 
-@pytest.mark.parametrize("ring", [False, True], ids=["all_to_all", "ring"])
+@pytest.mark.parametrize("ring", [pytest.param(False, marks=pytest.mark.slow), True],
+                         ids=["all_to_all", "ring"])
 def test_no_overflow_equals_model_without_fallback(ring):
   """Fixed chunking (adaptive's no-overflow case: tests/test_adaptive_fallback.py)."""
   mesh = moe_hk.make_mesh(data=2, expert=4)

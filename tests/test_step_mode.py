@@ -89,7 +89,8 @@ _dense_grad = jax.jit(jax.grad(_dense_loss, has_aux=True))
 CASES = {"first": (4.0, 0.0), "second": (0.0, 4.0), "neither": (0.0, 0.0)}
 
 
-@pytest.mark.parametrize("ring", [False, True], ids=["all_to_all", "ring"])
+@pytest.mark.parametrize("ring", [pytest.param(False, marks=pytest.mark.slow), True],
+                         ids=["all_to_all", "ring"])  # `make test-fast`: the ring's
 @pytest.mark.parametrize("case", list(CASES))
 def test_step_mode_is_dropless_from_the_first_overflow(ring, case):
   config = _config(ring, "step")

@@ -18,7 +18,8 @@ from moe_hk import mesh as mesh_lib
 from tests.helpers import require_libtpu, user_precision
 
 # The compiles are cached for the module: its tests share one worker (tests/conftest.py
-# WORKER_GROUPS).
+# WORKER_GROUPS). TPU compiles are long: `make test-fast` skips the module.
+pytestmark = pytest.mark.slow
 
 # 4 expert shards of a v5p 2x2x1 slice, 8 experts, top-2, width 128, 8 x 512 tokens: T = 1024
 # tokens and N = 2048 routed rows per shard; the worst-case buffer P * T * min(K, L) = 8192.
