@@ -398,6 +398,7 @@ def test_autopilot_lowers_the_factor_drops_nothing_and_resumes_with_it(baseline,
 
 
 
+@pytest.mark.slow
 def test_console_reports_compile_progress_and_a_summary(baseline):
   """The operator's lines: compiling and its time, one progress line per fetch (loss, speed,
   what the MoE layers did, the factor, an ETA), and the summary with where things are."""
