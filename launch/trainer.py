@@ -206,8 +206,9 @@ class _Reporter:
                            np.stack([out["moe_stats"].routed_rows_per_device for out in fetched]),
                            [p.factor for p in pending])
     if self.config.moe_metrics:
-      self.moe_metrics.end_interval(pending[-1].step)
-    self.writer.flush()
+      self.moe_metrics.end_interval(pending[-1].step)  # the expert-load image, then a flush
+    else:
+      self.writer.flush()
     totals.steps += len(pending)
     totals.fallback_steps += interval_fallbacks
     totals.dropped_rows += interval_dropped
