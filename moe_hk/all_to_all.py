@@ -1,11 +1,13 @@
 """Ragged all-to-all backends with one semantics (`jax.lax.ragged_all_to_all`'s).
 
 `native` is the XLA collective (TPU/GPU). XLA:CPU rejects it ("UNIMPLEMENTED: HLO opcode
-ragged-all-to-all"), so `emulated` reproduces it with P - 1 `ppermute` rounds: in round s each
-shard sends its segment for shard (me + s) mod P, padded to `min(operand rows, output rows)`
-(no segment can be longer), with the sender's chosen output offset and size; the receiver
-scatters it into its buffer. Peak memory stays near the native op's instead of holding every
-peer's padded segment at once.
+ragged-all-to-all"), so `emulated` reproduces it with a dense `all_to_all` in a `lax.scan`:
+every segment is padded to `seg = min(operand rows, output rows)` rows (no segment can be
+longer) and cut into pieces of `ceil(seg / P)` rows; iteration i sends piece i of every
+segment at once (`[P, piece, ...]`, about one segment's rows), and the receiver scatters the
+rows that are real into its buffer at the sender's chosen offsets. Peak memory stays near the
+native op's (one padded segment in flight, not P), and the compiled program holds one
+exchange, not one per peer.
 
 Shapes: operand `[M, ...]`, output `[R, ...]`, exchange arguments `[P]` each (see `Exchange`).
 """
@@ -15,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from moe_hk.dispatch_plan import Exchange
+from moe_hk.vma import vary_like
 
 
 def native_ragged_all_to_all(operand: jax.Array, output: jax.Array, exchange: Exchange,
@@ -24,31 +27,38 @@ def native_ragged_all_to_all(operand: jax.Array, output: jax.Array, exchange: Ex
 
 def emulated_ragged_all_to_all(operand: jax.Array, output: jax.Array, exchange: Exchange,
                                axis_name: str) -> jax.Array:
-  """`ragged_all_to_all` from `ppermute`s; output rows nobody writes keep their input value."""
+  """`ragged_all_to_all` from a scan of dense `all_to_all`s; output rows nobody writes keep
+  their input value."""
   num_shards = jax.lax.axis_size(axis_name)
-  me = jax.lax.axis_index(axis_name)
-  out_rows = output.shape[0]
+  out_rows, tail = output.shape[0], output.shape[1:]
   seg = min(operand.shape[0], out_rows)
-  pos = jnp.arange(seg, dtype=jnp.int32)
-  rows_mask = lambda m, n: m.reshape((n,) + (1,) * (output.ndim - 1))  # broadcast over [...]
-  received = jnp.zeros_like(output)
-  written = jnp.zeros((out_rows,), jnp.bool_)
-  for shift in range(num_shards):
-    peer = (me + shift) % num_shards
-    size = exchange.send_sizes[peer]
-    rows = jnp.take(operand, exchange.input_offsets[peer] + pos, axis=0, mode="clip")
-    rows = jnp.where(rows_mask(pos < size, seg), rows, 0)
-    offset = exchange.output_offsets[peer]
-    if shift:
-      perm = [(i, (i + shift) % num_shards) for i in range(num_shards)]
-      rows, offset, size = jax.lax.ppermute((rows, offset, size), axis_name, perm)
+  piece = -(-seg // num_shards)
+  pos = jnp.arange(piece, dtype=jnp.int32)
+  rows_mask = lambda m: m.reshape(m.shape + (1,) * len(tail))  # broadcast over [...]
+  # Where each sender's rows go in this shard's buffer: the senders choose.
+  offsets = jax.lax.all_to_all(exchange.output_offsets, axis_name, 0, 0, tiled=True)
+
+  def send_piece(carry, first):
+    received, written = carry
+    at = first + pos                                                   # [piece]
+    rows = jnp.take(operand, exchange.input_offsets[:, None] + at, axis=0,
+                    mode="clip")                                       # [P, piece, ...]
+    rows = jnp.where(rows_mask(at < exchange.send_sizes[:, None]), rows, 0)
+    rows = jax.lax.all_to_all(rows, axis_name, 0, 0, tiled=True)        # piece from each sender
     # Padding positions point past the buffer and are dropped by the scatter.
-    target = jnp.where(pos < size, offset + pos, out_rows)
+    target = jnp.where(at < exchange.recv_sizes[:, None], offsets[:, None] + at, out_rows)
     # Segments never overlap, so adding into zeros places each row exactly once; `add` keeps
     # the backward a plain gather.
-    received = received.at[target].add(rows, mode="drop")
-    written = written.at[target].set(True, mode="drop")
-  return jnp.where(rows_mask(written, out_rows), received, output)
+    received = received.at[target.reshape(-1)].add(rows.reshape(-1, *tail), mode="drop")
+    written = written.at[target.reshape(-1)].set(True, mode="drop")
+    return (received, written), None
+
+  inputs = (operand, output, *exchange, offsets)
+  init = (vary_like(jnp.zeros_like(output), *inputs),
+          vary_like(jnp.zeros((out_rows,), jnp.bool_), *inputs))
+  (received, written), _ = jax.lax.scan(
+      send_piece, init, jnp.arange(0, seg, piece, dtype=jnp.int32))
+  return jnp.where(rows_mask(written), received, output)
 
 
 def ragged_all_to_all(operand: jax.Array, output: jax.Array, exchange: Exchange, axis_name: str,
