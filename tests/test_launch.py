@@ -432,6 +432,7 @@ def test_console_reports_compile_progress_and_a_summary(baseline):
                    f"{baseline.workdir}/checkpoints (step 8)")
 
 
+@pytest.mark.slow  # it reads the baseline run (30 s to train), like the cases above
 def test_rerun_of_a_finished_run_says_so_and_changes_nothing(baseline, capsys):
   before = sorted(os.listdir(baseline.workdir))
   assert trainer.train_and_evaluate(run_config(), baseline.workdir) == []
