@@ -9,7 +9,9 @@ compile is left out), from the wall times of the `train/loss` points in the even
 trainer writes a fetched interval's points together, so the time between two fetches covers
 everything the host does for those steps (dispatch, the fetch, aggregation, event files,
 alerts). Eval and checkpoints fall outside the window. The ratio on / off is taken within a
-round. JSON, then a table.
+round. JSON, then a table, then a verdict against the goal (on / off >= `--goal`, 0.98): the
+median of at least 3 rounds decides; where the rounds' 25th-75th percentile range holds the
+goal, the verdict says the machine's noise is as large as the difference.
 """
 from __future__ import annotations
 
@@ -44,12 +46,25 @@ def steps_per_second(moe_metrics: bool, warmup: int, steps: int) -> float:
   return steps / (times[warmup + steps - 1] - times[warmup - 1])
 
 
+def verdict(ratio: np.ndarray, goal: float) -> str:
+  """One line: whether the per-round ratios `on / off` meet `goal`, and how firmly."""
+  if ratio.size < 3:
+    return f"no verdict: {ratio.size} rounds, at least 3 needed"
+  median, p25, p75 = np.median(ratio), np.percentile(ratio, 25), np.percentile(ratio, 75)
+  met = "meets" if median >= goal else "misses"
+  firm = ("the spread holds the goal: the noise is as large as the difference, more rounds "
+          "would tell" if p25 < goal <= p75 else "the spread is clear of the goal")
+  return (f"{met} the goal: on / off median {median:.3f} vs {goal} over {ratio.size} rounds "
+          f"(p25-p75 {p25:.3f}-{p75:.3f}; {firm})")
+
+
 def main():
   platform.setup(cpu_only=True)
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--rounds", type=int, default=5)
   parser.add_argument("--warmup_steps", type=int, default=20)
   parser.add_argument("--steps", type=int, default=60)
+  parser.add_argument("--goal", type=float, default=0.98, help="on / off must be at least this")
   args = parser.parse_args()
   log_every = default.get_config().log_every
   if args.warmup_steps % log_every or args.steps % log_every:
@@ -63,7 +78,8 @@ def main():
             "steps_per_second": samples,
             "on_over_off": {"median": float(np.median(ratio)),
                             "p25": float(np.percentile(ratio, 25)),
-                            "p75": float(np.percentile(ratio, 75))}}
+                            "p75": float(np.percentile(ratio, 75))},
+            "goal": args.goal, "verdict": verdict(ratio, args.goal)}
   print(json.dumps(result, indent=2))
   print("\n| moe_metrics | steps/s (median) | on / off (median, p25-p75) |")
   print("|---|---|---|")
@@ -71,6 +87,7 @@ def main():
   print(f"| False | {np.median(samples['off']):.2f} | - |")
   print(f"| True | {np.median(samples['on']):.2f} | {r['median']:.3f} "
         f"({r['p25']:.3f}-{r['p75']:.3f}) |")
+  print(f"\n{result['verdict']}")
 
 
 if __name__ == "__main__":
