@@ -46,15 +46,16 @@ def steps_per_second(moe_metrics: bool, warmup: int, steps: int) -> float:
   return steps / (times[warmup + steps - 1] - times[warmup - 1])
 
 
-def verdict(ratio: np.ndarray, goal: float) -> str:
-  """One line: whether the per-round ratios `on / off` meet `goal`, and how firmly."""
-  if ratio.size < 3:
-    return f"no verdict: {ratio.size} rounds, at least 3 needed"
-  median, p25, p75 = np.median(ratio), np.percentile(ratio, 25), np.percentile(ratio, 75)
+def verdict(summary: dict, rounds: int, goal: float) -> str:
+  """One line: whether the per-round ratios on / off (`summary`: their median, p25, p75) meet
+  `goal`, and how firmly."""
+  if rounds < 3:
+    return f"no verdict: {rounds} rounds, at least 3 needed"
+  median, p25, p75 = summary["median"], summary["p25"], summary["p75"]
   met = "meets" if median >= goal else "misses"
   firm = ("the spread holds the goal: the noise is as large as the difference, more rounds "
           "would tell" if p25 < goal <= p75 else "the spread is clear of the goal")
-  return (f"{met} the goal: on / off median {median:.3f} vs {goal} over {ratio.size} rounds "
+  return (f"{met} the goal: on / off median {median:.3f} vs {goal} over {rounds} rounds "
           f"(p25-p75 {p25:.3f}-{p75:.3f}; {firm})")
 
 
@@ -74,12 +75,11 @@ def main():
     for mode in (("on", "off") if r % 2 == 0 else ("off", "on")):
       samples[mode].append(steps_per_second(mode == "on", args.warmup_steps, args.steps))
   ratio = np.asarray(samples["on"]) / np.asarray(samples["off"])
+  on_over_off = {"median": float(np.median(ratio)), "p25": float(np.percentile(ratio, 25)),
+                 "p75": float(np.percentile(ratio, 75))}
   result = {"rounds": args.rounds, "steps": args.steps, "warmup_steps": args.warmup_steps,
-            "steps_per_second": samples,
-            "on_over_off": {"median": float(np.median(ratio)),
-                            "p25": float(np.percentile(ratio, 25)),
-                            "p75": float(np.percentile(ratio, 75))},
-            "goal": args.goal, "verdict": verdict(ratio, args.goal)}
+            "steps_per_second": samples, "on_over_off": on_over_off,
+            "goal": args.goal, "verdict": verdict(on_over_off, args.rounds, args.goal)}
   print(json.dumps(result, indent=2))
   print("\n| moe_metrics | steps/s (median) | on / off (median, p25-p75) |")
   print("|---|---|---|")
