@@ -5,10 +5,10 @@
 Each round trains the default config (8 simulated CPU devices) once with `moe_metrics=True`
 and once with `moe_metrics=False`, in alternating order, each from scratch in its own workdir.
 Steps/s is measured in the steady state, over `--steps` steps after `--warmup_steps` (so the
-compile is left out), from the wall times of the `train/loss` points in the event files: the
-trainer writes a fetched interval's points together, so the time between two fetches covers
-everything the host does for those steps (dispatch, the fetch, aggregation, event files,
-alerts). Eval and checkpoints fall outside the window. The ratio on / off is taken within a
+compile is left out), from the trainer's own `train/tokens_per_second` points: one per fetched
+interval, timed from fetch to fetch, so it covers everything the host does for those steps
+(dispatch, the fetch, aggregation, alerts, and the event files' writes where they hold the loop
+up). Eval and checkpoints fall outside the window. The ratio on / off is taken within a
 round. JSON, then a table, then a verdict against the goal (on / off >= `--goal`, 0.98): the
 median of at least 3 rounds decides; where the rounds' 25th-75th percentile range holds the
 goal, the verdict says the machine's noise is as large as the difference.
@@ -21,16 +21,18 @@ import tempfile
 
 import numpy as np
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.util import tensor_util
 
 from launch import platform, trainer
 from launch.configs import default
 
 
-def loss_wall_times(workdir: str) -> dict[int, float]:
-  """step -> wall time of its `train/loss` point."""
+def interval_rates(workdir: str) -> dict[int, float]:
+  """Last step of each fetched interval -> its `train/tokens_per_second`."""
   acc = EventAccumulator(workdir, size_guidance={"tensors": 0})
   acc.Reload()
-  return {e.step: e.wall_time for e in acc.Tensors("train/loss")}
+  return {e.step: float(tensor_util.make_ndarray(e.tensor_proto))
+          for e in acc.Tensors("train/tokens_per_second")}
 
 
 def steps_per_second(moe_metrics: bool, warmup: int, steps: int) -> float:
@@ -42,8 +44,11 @@ def steps_per_second(moe_metrics: bool, warmup: int, steps: int) -> float:
   c.eval_every = c.checkpoint_every = c.train_steps
   with tempfile.TemporaryDirectory() as workdir:
     trainer.train_and_evaluate(c, workdir)
-    times = loss_wall_times(workdir)
-  return steps / (times[warmup + steps - 1] - times[warmup - 1])
+    rates = interval_rates(workdir)
+  tokens_per_step = c.data.batch_size * c.data.seq_len
+  ends = range(warmup + c.log_every - 1, warmup + steps, c.log_every)
+  seconds = sum(c.log_every * tokens_per_step / rates[end] for end in ends)
+  return steps / seconds
 
 
 def verdict(summary: dict, rounds: int, goal: float) -> str:

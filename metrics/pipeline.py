@@ -3,9 +3,10 @@
 Two ways to feed it. A train step that returns its MoE layers' stats (the launcher) hands them
 over with `report_step`, as many steps at a time as it fetched from the device, so the host
 never waits for the device in between; `end_interval` then writes the `moe/expert_load` image
-and flushes. A loop over bare layers that stream their stats through callbacks
-(`MoEConfig.stream_step_stats`) calls `end_step` after each step instead, which
-waits for the step's callbacks. Either way, a layer's fallback event raises the
+and flushes (with `wait=False` the loop does not wait for the writer's background thread
+either). A loop over bare layers that stream their stats through callbacks
+(`MoEConfig.stream_step_stats`) calls `end_step` after each step instead, which waits for the
+step's callbacks. Either way, a layer's fallback event raises the
 `fallback_ran` alert as soon as it reaches the host.
 """
 from __future__ import annotations
@@ -77,13 +78,13 @@ class MoEMetrics:
     self._interval_load = load if self._interval_load is None else self._interval_load + load
     return self._finish(step, dropless_steps, extra_scalars)
 
-  def end_interval(self, step: int) -> None:
+  def end_interval(self, step: int, wait: bool = True) -> None:
     """Writes the `moe/expert_load` image of the rows reported since the last call, at
-    `step`, and flushes the writer."""
+    `step`, and flushes the writer (`wait=False`: queues the flush, `MoEMetricsWriter.flush`)."""
     if self._interval_load is not None:
       self.writer.write_expert_load(step, self._interval_load)
       self._interval_load = None
-    self.writer.flush()
+    self.writer.flush(wait=wait)
 
   def end_step(self, step: int, *, dropless_steps: int | None = None,
                extra_scalars: Mapping[str, float] | None = None) -> StepMetrics | None:

@@ -1,5 +1,8 @@
 """CLU metric writers for the MoE tags (TensorBoard event files), flushed on exit and SIGTERM.
 
+Asynchronous by default: writes run, in order, on one background thread, so that a training
+loop never waits for TensorFlow's summary ops; `flush(wait=False)` queues a flush and returns.
+
 Tags (docs/metrics.md; `<i>` is the 0-based ordinal among MoE layers):
   learning/moe_dropless_fallback_layers       MoE layers whose dropless fallback ran this step
   moe/fallback_frequency                      fraction of trailing-window steps with a fallback
@@ -23,13 +26,18 @@ Tags (docs/metrics.md; `<i>` is the 0-based ordinal among MoE layers):
 from __future__ import annotations
 
 import atexit
+import collections
+import concurrent.futures
 import signal
 import threading
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import jax
 import numpy as np
 from clu import metric_writers
+from tensorboard.plugins.histogram import metadata as histogram_metadata
+from tensorboard.plugins.histogram import summary as histogram_summary
+from tensorboard.util import tensor_util
 
 from metrics.aggregator import StepMetrics
 
@@ -51,6 +59,9 @@ EXPERT_LOAD_TAG = "moe/expert_load"
 # moe/expert_load: each (layer, expert) cell is a square of this many pixels; its grey level
 # is load / fair share / 2, so black = no rows, mid grey = the fair share, white >= 2x.
 EXPERT_LOAD_CELL_PIXELS = 8
+# What marks a raw `[buckets, 3]` tensor as a histogram for TensorBoard.
+_HISTOGRAM_METADATA = histogram_metadata.create_summary_metadata(display_name=None,
+                                                                 description=None)
 
 
 def step_scalars(m: StepMetrics) -> dict[str, float]:
@@ -74,6 +85,14 @@ def step_scalars(m: StepMetrics) -> dict[str, float]:
   return scalars
 
 
+def histogram_buckets(values: np.ndarray, buckets: int) -> np.ndarray:
+  """`[buckets, 3]` (left edge, right edge, count) of `values` binned over [min, max]: the
+  tensor TensorBoard's histogram summary holds, computed by TensorBoard's numpy version of it
+  (the TensorFlow op costs ~10 ms a call, most of the writer's time)."""
+  proto = histogram_summary.histogram_pb("", np.asarray(values, np.float64), buckets=buckets)
+  return tensor_util.make_ndarray(proto.value[0].tensor)
+
+
 def expert_load_image(tokens_per_expert: np.ndarray) -> np.ndarray:
   """`[H, W, 1]` float image in [0, 1] of `tokens_per_expert [layers, E]` (rows summed over
   an interval): each cell is rows over the layer's fair share (mean per expert), halved and
@@ -88,15 +107,24 @@ def expert_load_image(tokens_per_expert: np.ndarray) -> np.ndarray:
 class MoEMetricsWriter:
   """Writes `StepMetrics` (and any extra scalars) with CLU's default writer.
 
-  Only process 0 writes event files; other processes only log. Asynchronous by default.
-  `close()` (also run at interpreter exit and on SIGTERM once `flush_on_sigterm()` is called)
+  Only process 0 writes event files; other processes only log. With `asynchronous` (the
+  default) every write runs on one background thread, in the order written; a write that
+  failed there raises `RuntimeError` from the next call. `flush(wait=False)` queues a flush
+  without waiting; once more than `max_behind` such flushes are outstanding it waits for the
+  oldest, so the host falls at most that many flushes (log intervals) behind. `close()` (also
+  run at interpreter exit and on SIGTERM once `flush_on_sigterm()` is called) writes and
   flushes everything written so far.
   """
 
-  def __init__(self, workdir: str, *, asynchronous: bool = True,
-               histogram_buckets: int = 32):
+  def __init__(self, workdir: str, *, asynchronous: bool = True, histogram_buckets: int = 32,
+               max_behind: int = 2):
     self._writer = metric_writers.create_default_writer(
-        workdir, just_logging=jax.process_index() > 0, asynchronous=asynchronous)
+        workdir, just_logging=jax.process_index() > 0, asynchronous=False)
+    self._pool = (concurrent.futures.ThreadPoolExecutor(
+        max_workers=1, thread_name_prefix="moe-metrics-writer") if asynchronous else None)
+    self._flushes: collections.deque[concurrent.futures.Future] = collections.deque()
+    self._max_behind = max_behind
+    self._error: BaseException | None = None
     self._buckets = histogram_buckets
     self._closed = False
     self._lock = threading.Lock()
@@ -108,43 +136,75 @@ class MoEMetricsWriter:
   def __exit__(self, *exc) -> None:
     self.close()
 
-  @property
-  def clu_writer(self) -> metric_writers.MetricWriter:
-    """The underlying CLU writer (e.g. for `periodic_actions.ReportProgress`)."""
-    return self._writer
+  def _run(self, write: Callable[[], None]) -> concurrent.futures.Future | None:
+    """Runs `write` now (synchronous writer) or queues it on the background thread."""
+    if self._error is not None:
+      raise RuntimeError(f"writing metrics failed: {self._error!r}") from self._error
+    if self._pool is None:
+      write()
+      return None
+    future = self._pool.submit(write)
+    future.add_done_callback(self._note_error)
+    return future
+
+  def _note_error(self, future: concurrent.futures.Future) -> None:
+    if future.exception() is not None and self._error is None:
+      self._error = future.exception()
 
   def write_hparams(self, hparams: Mapping[str, Any]) -> None:
-    self._writer.write_hparams(dict(hparams))
+    hparams = dict(hparams)
+    self._run(lambda: self._writer.write_hparams(hparams))
 
   def write_step(self, m: StepMetrics, dropless_steps: int | None = None,
                  extra: Mapping[str, float] | None = None) -> None:
-    scalars = step_scalars(m)
-    if dropless_steps is not None:
-      scalars[DROPLESS_STEPS_TAG] = dropless_steps
-    scalars.update(extra or {})
-    self._writer.write_scalars(m.step, scalars)
-    self._writer.write_histograms(
-        m.step, {f"{TOKENS_PER_EXPERT_TAG}/layer_{layer}": record.tokens_per_expert
-                 for layer, record in m.layers.items()},
-        num_buckets={f"{TOKENS_PER_EXPERT_TAG}/layer_{layer}": self._buckets
-                     for layer in m.layers})
+    extra = dict(extra or {})
+
+    def write():
+      scalars = step_scalars(m)
+      if dropless_steps is not None:
+        scalars[DROPLESS_STEPS_TAG] = dropless_steps
+      scalars.update(extra)
+      self._writer.write_scalars(m.step, scalars)
+      histograms = {f"{TOKENS_PER_EXPERT_TAG}/layer_{layer}":
+                    histogram_buckets(record.tokens_per_expert, self._buckets)
+                    for layer, record in m.layers.items()}
+      self._writer.write_summaries(m.step, histograms,
+                                   metadata=dict.fromkeys(histograms, _HISTOGRAM_METADATA))
+    self._run(write)
 
   def write_expert_load(self, step: int, tokens_per_expert: np.ndarray) -> None:
     """The `moe/expert_load` image of `tokens_per_expert [layers, E]` (an interval's rows)."""
-    self._writer.write_images(step, {EXPERT_LOAD_TAG: expert_load_image(tokens_per_expert)[None]})
+    load = np.array(tokens_per_expert)
+    self._run(lambda: self._writer.write_images(step, {EXPERT_LOAD_TAG:
+                                                       expert_load_image(load)[None]}))
 
   def write_scalars(self, step: int, scalars: Mapping[str, float]) -> None:
-    self._writer.write_scalars(step, dict(scalars))
+    scalars = dict(scalars)
+    self._run(lambda: self._writer.write_scalars(step, scalars))
 
-  def flush(self) -> None:
-    self._writer.flush()
+  def flush(self, wait: bool = True) -> None:
+    """Writes out everything written so far; `wait=False` queues that and returns (waiting
+    only while more than `max_behind` queued flushes are outstanding)."""
+    future = self._run(self._writer.flush)
+    if future is None:
+      return
+    self._flushes.append(future)
+    while self._flushes and (wait or len(self._flushes) > self._max_behind):
+      self._flushes.popleft().result()
+    self._run(lambda: None)  # raises if a write failed
 
   def close(self) -> None:
     with self._lock:
       if self._closed:
         return
       self._closed = True
-    self._writer.close()
+    try:
+      if self._pool is not None:
+        self._pool.shutdown(wait=True)
+    finally:
+      self._writer.close()
+    if self._error is not None:
+      raise RuntimeError(f"writing metrics failed: {self._error!r}") from self._error
 
   def flush_on_sigterm(self) -> None:
     """On SIGTERM: close (flush) this writer, then let the previous handler act (default:

@@ -262,3 +262,23 @@ def test_a_writer_passed_in_stays_open_for_its_owner(tmp_path):
   scalars = read_scalars(workdir)
   assert scalars[DROPLESS_STEPS_TAG] == {0: 1.0} and scalars["train/loss"] == {0: 2.0}
   assert len(glob.glob(f"{workdir}/events.out.tfevents.*")) == 1
+
+
+def test_the_background_writer_keeps_order_bounds_its_lag_and_reports_a_failed_write(tmp_path):
+  """Writes queued behind `flush(wait=False)` all reach the event file by `close()`; a write
+  that failed on the writer's thread raises from the next call instead of vanishing."""
+  workdir = str(tmp_path)
+  writer = MoEMetricsWriter(workdir, max_behind=1)
+  for step in range(30):
+    writer.write_scalars(step, {"train/loss": float(step)})
+    writer.flush(wait=False)
+    assert len(writer._flushes) <= 1  # never more than max_behind flushes outstanding
+  writer.close()
+  assert read_scalars(workdir)["train/loss"] == {s: float(s) for s in range(30)}
+
+  broken = MoEMetricsWriter(str(tmp_path / "broken"))
+  broken.write_scalars(0, {"train/loss": "not a number"})
+  with pytest.raises(RuntimeError, match="writing metrics failed"):
+    broken.flush()
+  with pytest.raises(RuntimeError, match="writing metrics failed"):
+    broken.close()
