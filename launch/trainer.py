@@ -170,12 +170,26 @@ class _Reporter:
     self.dropless_steps = 0  # step mode: steps run dropless so far (moe/dropless_steps)
     self._since = time.perf_counter()
     self._compiled = False  # whether an interval after the one that compiled was timed
+    # Whether the interval under way holds more than its steps (an eval, a checkpoint, a
+    # switch of program, a background compile): its time then says nothing of a step's.
+    self._disturbed = False
+    self._compiles = self._compiles_seen()
+
+  def _compiles_seen(self) -> int:
+    """The autopilot's compiles started or finished so far (0 without one)."""
+    return 0 if self.pilot is None else self.pilot.cache.activity
+
+  def disturbed(self) -> None:
+    """The interval under way also did other work than its steps: do not time it."""
+    self._disturbed = True
 
   def flush(self, pending: list[_Pending]) -> None:
     if not pending:
       return
     fetched = jax.device_get([p.outputs for p in pending])
-    seconds = time.perf_counter() - self._since
+    # From fetch to fetch: the interval's time includes the host's work for the one before.
+    now = time.perf_counter()
+    seconds, self._since = now - self._since, now
     totals, interval_fallbacks, interval_dropped, interval_skipped = self.totals, 0, 0, 0
     for p, out in zip(pending, fetched):
       self.losses.append(float(out["loss"]))
@@ -201,14 +215,22 @@ class _Reporter:
                                                float(out["grad_norm"]))
       if self.pilot is not None:
         self.pilot.observe(stats)
+    compiles = self._compiles_seen()
+    clean = self._compiled and not self._disturbed and compiles == self._compiles and not (
+        self.pilot is not None and self.pilot.cache.busy())
+    self._disturbed, self._compiles = False, compiles
     if self.recorder is not None:
       self.recorder.append([p.step for p in pending],
                            np.stack([out["moe_stats"].routed_rows_per_device for out in fetched]),
-                           [p.factor for p in pending])
+                           [p.factor for p in pending],
+                           np.stack([out["moe_stats"].fallback_chunks for out in fetched]),
+                           seconds if clean else float("nan"))
+    # The writes run on the writer's thread: the loop queues a flush and dispatches the next
+    # steps while TensorFlow writes this interval's points.
     if self.config.moe_metrics:
-      self.moe_metrics.end_interval(pending[-1].step)  # the expert-load image, then a flush
+      self.moe_metrics.end_interval(pending[-1].step, wait=False)  # the expert-load image
     else:
-      self.writer.flush()
+      self.writer.flush(wait=False)
     totals.steps += len(pending)
     totals.fallback_steps += interval_fallbacks
     totals.dropped_rows += interval_dropped
@@ -222,7 +244,6 @@ class _Reporter:
         fallback_steps=interval_fallbacks, steps=len(pending), dropped_rows=interval_dropped,
         skipped_steps=interval_skipped, factor=pending[-1].factor))
     pending.clear()
-    self._since = time.perf_counter()
 
 
 def _autopilot(config, mesh, steps: Steps, moe_metrics: metrics.MoEMetrics, worst_case: float
@@ -348,6 +369,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
         switched = None if pilot is None else pilot.switch(step)
         if switched is not None:
           run, factor = switched.step, switched.factor
+          reporter.disturbed()
         batch = _place_batch(data.train_batch(step), steps, batch_rows)
         if step == first:
           console.line("compiling the train step (it runs once compiled) ...")
@@ -381,8 +403,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
               steps.eval_loss(state.params, _place_batch(data.eval_batch(i), steps, batch_rows))
               for i in range(config.eval_batches)]))
           writer.write_scalars(step, {"eval/loss": totals.eval_loss})
+          reporter.disturbed()
         if checkpoints.should_save(step + 1) or stopping or done:
           save(step + 1)
+          reporter.disturbed()
         if stopping:
           console.line(f"stopping after step {step + 1} with a checkpoint")
           break

@@ -15,6 +15,16 @@ written to a `.tmp` file and renamed, so a reader never sees half a file), holdi
   expert_shards      [] int64         P
   tokens_per_device  [] int64         T
   k                  [] int64         K
+  fallback_chunks    [n, layers] int32  chunks each MoE layer's fallback ran (0: none)
+  seconds            [] float64       the interval's wall time, from the previous fetch of the
+                                      steps' outputs to this one; NaN when it is not a clean
+                                      measurement (the first interval compiles; an eval, a
+                                      checkpoint, a program switch or a background compile
+                                      fell in it)
+
+One file is one fetch interval of the trainer. `fallback_chunks` and `seconds` (the timings:
+`Traffic.timings`) are absent from files written before they were recorded; such files still
+give their traffic.
 
 `seq` numbers the files in write order. A resumed run records again the steps after its
 checkpoint; those replace the earlier copies, so on a step recorded twice the file with the
@@ -28,6 +38,7 @@ E]`).
 """
 from __future__ import annotations
 
+import math
 import os
 import re
 import zipfile
@@ -43,6 +54,17 @@ _META = ("expert_shards", "tokens_per_device", "k")
 # Each array of a file, as the module docstring lists it: (dtype, rank).
 _FORMAT = {"steps": (np.int64, 1), "counts": (np.int32, 4), "factors": (np.float64, 1),
            **{name: (np.int64, 0) for name in _META}}
+# The timings, in files written since they were recorded: (dtype, rank), as above.
+_TIMING_FORMAT = {"fallback_chunks": (np.int32, 2), "seconds": (np.float64, 0)}
+
+
+class Timings(NamedTuple):
+  """The cleanly timed fetch intervals that ran one factor throughout, in write order."""
+  factors: np.ndarray         # [m] float64 the ragged_buffer_factor in force.
+  steps: np.ndarray           # [m] int64 steps in the interval.
+  fallback_steps: np.ndarray  # [m] int64 of them, steps whose fallback ran in some layer.
+  chunks: np.ndarray          # [m] int64 fallback chunks run, summed over steps and layers.
+  seconds: np.ndarray         # [m] float64 wall time of the interval.
 
 
 class Traffic(NamedTuple):
@@ -54,6 +76,7 @@ class Traffic(NamedTuple):
   tokens_per_device: int  # T.
   k: int                  # K experts per token.
   skipped: tuple[str, ...] = ()  # Paths of the files not read (each logged why), in write order.
+  timings: Timings | None = None  # The files' timed intervals (superseded copies included).
 
 
 class _Unreadable(Exception):
@@ -76,11 +99,14 @@ class TrafficRecorder:
     self.max_bytes = max_bytes
     os.makedirs(self.folder, exist_ok=True)
 
-  def append(self, steps: Sequence[int], counts: np.ndarray, factors: Sequence[float]) -> None:
-    """Writes `counts [n, layers, devices, E]` of `steps [n]` under `factors [n]`."""
+  def append(self, steps: Sequence[int], counts: np.ndarray, factors: Sequence[float],
+             fallback_chunks: np.ndarray, seconds: float = math.nan) -> None:
+    """Writes `counts [n, layers, devices, E]` and `fallback_chunks [n, layers]` of `steps [n]`
+    under `factors [n]`, and the interval's wall time `seconds` (NaN: not timed)."""
     steps = np.asarray(steps, np.int64)
     factors = np.asarray(factors, np.float64)
     counts = np.asarray(counts)
+    fallback_chunks = np.asarray(fallback_chunks)
     shards = self.meta["expert_shards"]
     if counts.ndim != 4 or not np.issubdtype(counts.dtype, np.integer):
       raise ValueError(f"counts must be integer [n, layers, devices, E]; got {counts.dtype} "
@@ -88,6 +114,9 @@ class TrafficRecorder:
     if not len(steps) == len(factors) == counts.shape[0] >= 1:
       raise ValueError(f"{len(steps)} steps, {len(factors)} factors and counts for "
                        f"{counts.shape[0]} steps: need the same number, at least one.")
+    if fallback_chunks.shape != counts.shape[:2]:
+      raise ValueError(f"fallback_chunks {fallback_chunks.shape} must be [n, layers] = "
+                       f"{counts.shape[:2]}.")
     if np.any(np.diff(steps) <= 0):
       raise ValueError(f"steps must be increasing; got {steps.tolist()}.")
     if counts.shape[2] % shards or counts.shape[3] % shards:
@@ -104,6 +133,8 @@ class TrafficRecorder:
     path = os.path.join(self.folder, f"traffic-{seq:06d}-{steps[0]:09d}-{steps[-1]:09d}.npz")
     with open(path + ".tmp", "wb") as f:
       np.savez_compressed(f, steps=steps, counts=counts.astype(np.int32), factors=factors,
+                          fallback_chunks=fallback_chunks.astype(np.int32),
+                          seconds=np.float64(seconds),
                           **{name: np.int64(value) for name, value in self.meta.items()})
     os.replace(path + ".tmp", path)
     self._bound([*recorded, (seq, path)])
@@ -184,19 +215,23 @@ def _arrays(path: str) -> dict[str, np.ndarray]:
       missing = [name for name in _FORMAT if name not in npz.files]
       if missing:
         raise _Unreadable(f"no {', '.join(missing)} array")
-      return {name: npz[name] for name in _FORMAT}
+      timed = all(name in npz.files for name in _TIMING_FORMAT)
+      return {name: npz[name] for name in (*_FORMAT, *(_TIMING_FORMAT if timed else ()))}
 
 
 def _check(part: dict[str, np.ndarray]) -> None:
   """Raises _Unreadable unless the arrays have `_FORMAT`'s dtypes and ranks, and n >= 1 steps."""
-  for name, (dtype, rank) in _FORMAT.items():
-    if part[name].dtype != dtype or part[name].ndim != rank:
+  for name, (dtype, rank) in {**_FORMAT, **_TIMING_FORMAT}.items():
+    if name in part and (part[name].dtype != dtype or part[name].ndim != rank):
       raise _Unreadable(f"{name} is {part[name].dtype} {part[name].shape}, not "
                         f"{np.dtype(dtype)} of rank {rank}")
   lengths = [len(part[name]) for name in ("steps", "counts", "factors")]
   if not lengths[0] == lengths[1] == lengths[2] >= 1:
     raise _Unreadable("{} steps, counts of {} and {} factors: need the same number, at least "
                       "one".format(*lengths))
+  if "fallback_chunks" in part and part["fallback_chunks"].shape != part["counts"].shape[:2]:
+    raise _Unreadable(f"fallback_chunks {part['fallback_chunks'].shape} is not [n, layers] "
+                      f"{part['counts'].shape[:2]}")
 
 
 def _same_config(parts: dict[str, dict]) -> dict[str, dict]:
@@ -225,7 +260,18 @@ def _merged(parts: list[dict], skipped: tuple[str, ...]) -> Traffic:
   return Traffic(steps=steps[rows],
                  counts=np.concatenate([part["counts"] for part in parts])[rows],
                  factors=np.concatenate([part["factors"] for part in parts])[rows],
-                 **_layout(parts[0])[0], skipped=skipped)
+                 **_layout(parts[0])[0], skipped=skipped, timings=_timings(parts))
+
+
+def _timings(parts: list[dict]) -> Timings:
+  """The parts' timed intervals: those with a finite `seconds` and one factor throughout."""
+  rows = [(part["factors"][0], len(part["steps"]), int(np.sum(part["fallback_chunks"].max(1) > 0)),
+           int(np.sum(part["fallback_chunks"])), float(part["seconds"]))
+          for part in parts if "seconds" in part and np.isfinite(part["seconds"])
+          and np.all(part["factors"] == part["factors"][0])]
+  columns = list(zip(*rows)) if rows else [()] * 5
+  dtypes = (np.float64, np.int64, np.int64, np.int64, np.float64)
+  return Timings(*(np.asarray(column, dtype) for column, dtype in zip(columns, dtypes)))
 
 
 def _layout(part: dict) -> tuple[dict, tuple]:

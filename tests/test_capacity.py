@@ -37,11 +37,17 @@ def skewed_counts(seed: int, steps: int, layers: int = LAYERS) -> np.ndarray:
 
 
 def record(workdir, pieces, max_bytes: int = 1 << 30, **meta) -> None:
-  """Appends `(first step, counts, factor per step or one for all)` pieces, one file each."""
+  """Appends `(first step, counts, factor per step or one for all)` pieces, one file each
+  (no fallback, not timed)."""
   recorder = TrafficRecorder(str(workdir), **{**META, **meta}, max_bytes=max_bytes)
   for first, counts, factors in pieces:
     steps = range(first, first + len(counts))
-    recorder.append(steps, counts, np.broadcast_to(factors, len(counts)))
+    recorder.append(steps, counts, np.broadcast_to(factors, len(counts)), no_chunks(counts))
+
+
+def no_chunks(counts) -> np.ndarray:
+  """`fallback_chunks [n, layers]` of steps none of whose layers fell back."""
+  return np.zeros(np.shape(counts)[:2], np.int32)
 
 
 RUN_FACTORS = np.array([1.5] * 100 + [2.2] * 200)  # the run changed its factor at step 100
@@ -110,7 +116,33 @@ def balanced(steps: int, devices: int = DEVICES, experts: int = EXPERTS) -> np.n
 ])
 def test_recorder_rejects_bad_input(tmp_path, steps, counts, factors, message):
   with pytest.raises(ValueError, match=message):
-    TrafficRecorder(str(tmp_path), **META).append(steps, counts, factors)
+    TrafficRecorder(str(tmp_path), **META).append(steps, counts, factors, no_chunks(counts))
+
+
+def test_recorder_rejects_chunks_of_another_shape(tmp_path):
+  with pytest.raises(ValueError, match=r"fallback_chunks \(2, 2\) must be \[n, layers\] = \(2, 1\)"):
+    TrafficRecorder(str(tmp_path), **META).append([0, 1], balanced(2), [1.0, 1.0],
+                                                   np.zeros((2, 2), np.int32))
+
+
+def test_timings_round_trip(tmp_path):
+  """Each timed, one-factor interval is one timing row; an untimed interval (NaN) and one
+  whose factor changed inside are not; a file without timings still gives its traffic."""
+  recorder = TrafficRecorder(str(tmp_path), **META)
+  chunks = np.array([[0, 0, 0], [4, 0, 4], [0, 2, 0], [0, 0, 0]], np.int32)  # [4 steps, 3 layers]
+  recorder.append(range(0, 4), skewed_counts(8, 4), [1.5] * 4, chunks, seconds=2.5)
+  recorder.append(range(4, 8), skewed_counts(9, 4), [1.5] * 4, chunks)  # not timed
+  recorder.append(range(8, 12), skewed_counts(10, 4), [1.5, 1.5, 2.0, 2.0], chunks, seconds=3.0)
+  recorder.append(range(12, 14), skewed_counts(11, 2), [2.0] * 2, chunks[2:], seconds=1.0)
+  damage(tmp_path, 4, 14, 17, npz(steps=np.arange(14, 18)))  # the format before timings
+  traffic = read_traffic(str(tmp_path))
+  np.testing.assert_array_equal(traffic.steps, np.arange(18))
+  t = traffic.timings
+  np.testing.assert_array_equal(t.factors, [1.5, 2.0])
+  np.testing.assert_array_equal(t.steps, [4, 2])
+  np.testing.assert_array_equal(t.fallback_steps, [2, 1])
+  np.testing.assert_array_equal(t.chunks, [10, 2])
+  np.testing.assert_array_equal(t.seconds, [2.5, 1.0])
 
 
 def skip_warnings(caplog) -> list[str]:
@@ -224,8 +256,12 @@ def npz(**changes: np.ndarray) -> bytes:
      "4 steps, counts of 4 and 3 factors: need the same number, at least one"),
     (npz(steps=GOOD["steps"][:0], counts=GOOD["counts"][:0], factors=GOOD["factors"][:0]),
      "0 steps, counts of 0 and 0 factors"),
+    (npz(fallback_chunks=np.zeros((4, 3)), seconds=np.float64(1.0)),
+     r"fallback_chunks is float64 \(4, 3\), not int32 of rank 2"),
+    (npz(fallback_chunks=np.zeros((4, 2), np.int32), seconds=np.float64(1.0)),
+     r"fallback_chunks \(4, 2\) is not \[n, layers\] \(4, 3\)"),
 ], ids=["empty", "truncated", "bad_crc", "npy", "object_array", "missing_arrays", "int64_counts",
-        "k_of_rank_1", "short_factors", "no_steps"])
+        "k_of_rank_1", "short_factors", "no_steps", "float_chunks", "chunks_of_2_layers"])
 def test_read_skips_a_file_that_does_not_load(tmp_path, caplog, content, reason):
   record(tmp_path, [(0, skewed_counts(7, 4), 1.0)])
   bad = damage(tmp_path, 1, 4, 7, content)
