@@ -152,9 +152,6 @@ class ProgramCache:
                                                        thread_name_prefix="moe-autopilot")
     self._futures: dict[float, concurrent.futures.Future] = {}
     self.compiled = 0
-    # Compiles started plus compiles finished: unchanged over a span of training (and not
-    # busy()) means no compile shared the machine with it.
-    self.activity = 0
 
   def add(self, program: Program) -> None:
     """Registers an already-compiled program (the one training starts with)."""
@@ -176,14 +173,8 @@ class ProgramCache:
     if self.compiled >= self.max_programs:
       return False
     self.compiled += 1
-    self.activity += 1
-    future = self._pool.submit(self._compile, factor)
-    future.add_done_callback(self._finished)
-    self._futures[factor] = future
+    self._futures[factor] = self._pool.submit(self._compile, factor)
     return True
-
-  def _finished(self, future: concurrent.futures.Future) -> None:
-    self.activity += 1
 
   def busy(self) -> bool:
     """Whether a background compile is under way."""

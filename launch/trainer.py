@@ -173,11 +173,12 @@ class _Reporter:
     # Whether the interval under way holds more than its steps (an eval, a checkpoint, a
     # switch of program, a background compile): its time then says nothing of a step's.
     self._disturbed = False
-    self._compiles = self._compiles_seen()
+    self._compiles = self._compile_state()
 
-  def _compiles_seen(self) -> int:
-    """The autopilot's compiles started or finished so far (0 without one)."""
-    return 0 if self.pilot is None else self.pilot.cache.activity
+  def _compile_state(self) -> tuple[int, bool]:
+    """The autopilot's background compiles started so far, and whether one is under way."""
+    return (0, False) if self.pilot is None else (self.pilot.cache.compiled,
+                                                  self.pilot.cache.busy())
 
   def disturbed(self) -> None:
     """The interval under way also did other work than its steps: do not time it."""
@@ -215,9 +216,10 @@ class _Reporter:
                                                float(out["grad_norm"]))
       if self.pilot is not None:
         self.pilot.observe(stats)
-    compiles = self._compiles_seen()
-    clean = self._compiled and not self._disturbed and compiles == self._compiles and not (
-        self.pilot is not None and self.pilot.cache.busy())
+    # Clean: no compile was under way at either end, and none started in between.
+    compiles = self._compile_state()
+    clean = (self._compiled and not self._disturbed and compiles == self._compiles and
+             not compiles[1])
     self._disturbed, self._compiles = False, compiles
     if self.recorder is not None:
       self.recorder.append([p.step for p in pending],
