@@ -5,12 +5,16 @@ MLP 2048, factor 2): a value-and-grad step with the fallback must stay within 1.
 step, and below both the naive unrolled chunk loop and the worst-case buffer.
 """
 import functools
+import json
+import os
+import subprocess
+import sys
 
 import pytest
 
 from benchmarks import fallback_memory
 from launch import xla_programs
-from tests.helpers import require_libtpu, user_precision
+from tests.helpers import ROOT, require_libtpu, user_precision
 
 # One worker compiles each platform's variants once for all the module's tests
 # (tests/conftest.py WORKER_GROUPS).
@@ -19,18 +23,34 @@ PLATFORMS = ["cpu", "tpu"]
 # The library's modes: the fixed scan fallback, and adaptive chunking (a switch over the
 # capped path and the rungs (8, 0.16 R), (8, 0.20 R), (8, R / 4)).
 FALLBACKS = ["fallback_scan", "fallback_adaptive"]
+VARIANTS = ("worst_case", "capped", "fallback_unrolled", *FALLBACKS)
+
+
+def _cpu_mib() -> dict:
+  """The CPU figures from `python -m benchmarks.fallback_memory` in a process without the
+  suite's legacy-emitter flag, which moves CPU memory figures (tests/conftest.py)."""
+  flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
+           if not f.startswith("--xla_cpu_use_fusion_emitters")]
+  done = subprocess.run(
+      [sys.executable, "-m", "benchmarks.fallback_memory", "--platforms=cpu", "--layers=0",
+       f"--variants={','.join(VARIANTS)}"], cwd=ROOT, capture_output=True, text=True,
+      env=dict(os.environ, XLA_FLAGS=" ".join(flags)), check=False)
+  assert done.returncode == 0, done.stderr[-3000:]
+  report, _ = json.JSONDecoder().raw_decode(done.stdout)
+  (row,) = report["rows"]
+  return row["MiB"]
 
 
 @functools.lru_cache(maxsize=None)
 def _mib(platform: str) -> dict:
   """MiB per device of each variant's step, at the precision `benchmarks.fallback_memory`
   measures at."""
-  if platform == "tpu":
-    require_libtpu()
+  if platform == "cpu":
+    return _cpu_mib()
+  require_libtpu()
   with user_precision():
     return {v: xla_programs.total_memory_bytes(
-        fallback_memory.compile_step(v, platform, layers=0)) / 2**20
-            for v in ("worst_case", "capped", "fallback_unrolled", *FALLBACKS)}
+        fallback_memory.compile_step(v, platform, layers=0)) / 2**20 for v in VARIANTS}
 
 
 @pytest.mark.slow
