@@ -29,7 +29,7 @@ import ml_collections
 from absl import flags
 
 import moe_hk
-from launch import cli, flops as flops_lib, platform, trainer, xla_programs
+from launch import cli, flops as flops_lib, model as model_lib, platform, trainer, xla_programs
 from launch.errors import UserError
 from launch.steps import abstract_inputs, make_steps
 from moe_hk import fallback
@@ -143,19 +143,12 @@ def model_flops(config: ml_collections.ConfigDict) -> dict:
   c.mesh = ml_collections.ConfigDict({k: 1 for k in c.mesh})
   c.data.batch_size = 1
   shapes = jax.eval_shape(make_steps(c, mesh).init, jax.random.key(0)).params
-  total = routed = 0
-  for module, leaves in shapes.items():
-    for name, leaf in leaves.items():
-      size = math.prod(leaf.shape)
-      total += size
-      routed += size if module.endswith("/moe") and name in ("wi_0", "wi_1", "wo") else 0
+  total, routed = model_lib.parameter_counts(shapes)
   m = config.moe
   active = total - routed + routed * m.num_experts_per_tok / m.num_experts
   tokens = config.data.batch_size * config.data.seq_len
-  attention = (12 * config.num_layers * config.num_heads * config.head_dim *
-               config.data.seq_len / 2 * tokens)
   return {"params": total, "active_params": active, "tokens": tokens,
-          "six_n_t": 6 * active * tokens, "attention_flops": attention}
+          "six_n_t": 6 * active * tokens, "attention_flops": model_lib.attention_flops(config)}
 
 
 def per_device_bytes(a: jax.ShapeDtypeStruct) -> int:

@@ -1,7 +1,8 @@
 """Replays a run's recorded MoE traffic through the dispatch plan, for candidate buffer factors.
 
   python -m launch.capacity --workdir=DIR [--factors=1,1.25,1.5,2,3] [--expert_shards=P]
-      [--format=table|json] [--aot_config=PATH --compile_topology=TOPO [--aot_config.KEY=V ...]]
+      [--format=table|json] [--aot_config=PATH --compile_topology=TOPO [--aot_config.KEY=V ...]
+      [--memory_budget_gib=G]]
 
 For each `ragged_buffer_factor` (default: 1,1.25,1.5,2,3 and the run's own) the capped buffer of
 R rows per receiving shard is replayed on every recorded step and MoE layer (WORKDIR/traffic/,
@@ -14,6 +15,14 @@ R rows per receiving shard is replayed on every recorded step and MoE layer (WOR
   expert_shards            P, the expert-parallel size the traffic is grouped for
   memory_bytes_per_device  (with --aot_config) the config's train step, capped + `layer`
                            fallback, compiled by `launch.aot` for --compile_topology
+  step_seconds             (when the run timed its steps) predicted seconds per step:
+                           `launch.step_time`'s model of the run's timed intervals, with the
+                           fallback chunks replayed at the factor; with its standard error
+  relative_step_time       step_seconds over the run's (newest) factor's
+  pick                     (JSON, when timed) whether this is the factor the planner picks
+
+The pick is the factor with the fewest predicted seconds per step among those whose memory
+fits --memory_budget_gib (when memory is compiled); without timings, none is named.
 
 `--expert_shards` regroups the same devices (same tokens per device) into expert groups of that
 size. Prints a markdown table, or a JSON list with --format=json; writes WORKDIR/capacity.png.
@@ -34,8 +43,9 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from launch import cli, platform
+from launch import step_time
 from metrics.traffic import Traffic, read_traffic
-from moe_hk import dispatch_plan
+from moe_hk import dispatch_plan, fallback
 
 # launch.aot loads the trainer (CLU and TensorFlow: many seconds), so it loads only when a compile
 # is asked for; it defines --compile_topology, so before the flags are parsed.
@@ -52,6 +62,8 @@ _FACTORS = flags.DEFINE_list("factors", None, "Buffer factors to replay; default
 _EXPERT_SHARDS = flags.DEFINE_integer("expert_shards", None, "Expert-parallel size to regroup "
                                       "the traffic for; default: the run's.")
 _FORMAT = flags.DEFINE_enum("format", "table", ["table", "json"], "Markdown table or JSON list.")
+_BUDGET = flags.DEFINE_float("memory_budget_gib", 0.0, "With --aot_config: the pick must fit "
+                             "this many GiB per device (0: no budget).")
 _AOT_CONFIG = cli.define_config(
     "aot_config", None, "With --compile_topology (a launch.aot topology): also compile this "
     "config's train step per factor and report its memory per device.")
@@ -95,6 +107,44 @@ def plan(traffic: Traffic, factors: Sequence[float],
         buffer_rows=rows,
         expert_shards=shards))
   return results
+
+
+def price(traffic: Traffic, results: list[dict]) -> bool:
+  """Adds `step_seconds`, `step_seconds_se` and `relative_step_time` to each of `results`
+  (`plan`'s, for the recorded expert-parallel size) from the run's timed intervals; False,
+  changing nothing, when the traffic has no timings or run shape, or chunks adaptively (its
+  chunk counts at other factors are not modelled)."""
+  shape, timings = traffic.shape, traffic.timings
+  if shape is None or timings is None or not len(timings.seconds) or shape.adaptive_chunking:
+    return False
+  model = step_time.StepTimeModel(timings, step_time.StepFlops(
+      shape.flops_fixed, shape.flops_per_factor, moe_layers=traffic.counts.shape[1]))
+  shards, experts = traffic.expert_shards, traffic.counts.shape[-1]
+
+  def seconds(r: dict) -> step_time.Estimate:
+    try:
+      chunks = fallback.fallback_num_chunks(
+          batch=traffic.tokens_per_device // shape.seq_len, seq=shape.seq_len, k=traffic.k,
+          shards=shards, local_experts=experts // shards, rows=r["buffer_rows"],
+          requested=shape.requested_chunks)
+    except ValueError:
+      return step_time.Estimate(math.nan, math.nan)  # no fallback fits: not a candidate
+    return model.step(r["factor"], r["overflowing_layers_mean"] * chunks)
+
+  [at_run] = plan(traffic, [float(traffic.factors[-1])])
+  reference = seconds(at_run).seconds
+  for r in results:
+    r["step_seconds"], r["step_seconds_se"] = seconds(r)
+    r["relative_step_time"] = r["step_seconds"] / reference
+  return True
+
+
+def pick(results: list[dict], budget_bytes: int | None) -> dict | None:
+  """The result with the fewest predicted seconds per step among those that fit
+  `budget_bytes` (every one when None, or when no memory was compiled)."""
+  fits = [r for r in results if math.isfinite(r.get("step_seconds", math.nan)) and (
+      budget_bytes is None or r.get("memory_bytes_per_device", 0) <= budget_bytes)]
+  return min(fits, key=lambda r: r["step_seconds"], default=None)
 
 
 def factor_list(values: list[str] | None, traffic: Traffic) -> list[float]:
@@ -158,9 +208,11 @@ def memory_unit(results: list[dict]) -> tuple[str, int]:
 def table(results: list[dict], run_factors: set[float]) -> str:
   """`results` as a markdown table, the run's own factors marked."""
   memory = "memory_bytes_per_device" in results[0]
+  timed = "step_seconds" in results[0]
   unit, size = memory_unit(results) if memory else (None, None)
-  head = ["factor", "buffer rows", "fallback frequency", "overflowing layers (mean)",
-          "would drop"] + ([f"memory / device ({unit})"] if memory else [])
+  head = (["factor", "buffer rows", "fallback frequency", "overflowing layers (mean)",
+           "would drop"] + ([f"memory / device ({unit})"] if memory else []) +
+          (["s / step (predicted)", "relative step time"] if timed else []))
   lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
   for r in results:
     cells = [f"{r['factor']:g}" + (" (run)" if r["factor"] in run_factors else ""),
@@ -168,15 +220,19 @@ def table(results: list[dict], run_factors: set[float]) -> str:
              f"{r['overflowing_layers_mean']:.2f}", f"{r['would_drop_fraction']:.3%}"]
     if memory:
       cells.append(f"{r['memory_bytes_per_device'] / size:.2f}")
+    if timed:
+      cells += [f"{r['step_seconds']:.4f} ± {r['step_seconds_se']:.4f}",
+                f"{r['relative_step_time']:.3f}"]
     lines.append("| " + " | ".join(cells) + " |")
   return "\n".join(lines)
 
 
 def plot(results: list[dict], run_factors: set[float], title: str, path: str) -> None:
   """Fallback frequency and would-drop fraction against the factor; memory on a second axis."""
-  figure = Figure(figsize=(8, 4.8), layout="constrained")
+  timed = "relative_step_time" in results[0]
+  figure = Figure(figsize=(8, 7.2 if timed else 4.8), layout="constrained")
   FigureCanvasAgg(figure)
-  axes = figure.add_subplot()
+  axes, *below = figure.subplots(2 if timed else 1, 1, sharex=True, squeeze=False)[:, 0]
   factors = [r["factor"] for r in results]
   axes.plot(factors, [r["fallback_frequency"] for r in results], "o-", label="fallback frequency")
   axes.plot(factors, [r["would_drop_fraction"] for r in results], "s--",
@@ -193,9 +249,28 @@ def plot(results: list[dict], run_factors: set[float], title: str, path: str) ->
                 color="C2", label=f"memory / device ({unit})")
     memory.set_ylabel(f"{unit} per device")
     memory.set_ylim(bottom=0)
+  if timed:
+    reference = min((r for r in results if r["relative_step_time"] == 1.0),
+                    key=lambda r: r["factor"], default=None)
+    scale = reference["step_seconds"] if reference else math.nan
+    below[0].errorbar(factors, [r["relative_step_time"] for r in results],
+                      yerr=[r["step_seconds_se"] / scale for r in results], fmt="d-",
+                      color="C3", label="relative step time (predicted, 1 = the run's)")
+    below[0].set(xlabel="ragged_buffer_factor", ylabel="step time / the run's")
   # Below the axes: inside, it would hide points of one of the curves.
   figure.legend(loc="outside lower center", ncols=2)
   figure.savefig(path, dpi=120)
+
+
+def pick_line(chosen: dict | None, priced: bool, budget: int | None) -> str:
+  """One line naming the pick, or why there is none."""
+  if not priced:
+    return ("pick: none (the run recorded no step timings for this expert-parallel size, or "
+            "chunks adaptively)")
+  if chosen is None:
+    return f"pick: none fits the memory budget of {budget / GIB:g} GiB"
+  return (f"pick: factor {chosen['factor']:g}, {chosen['step_seconds']:.4f} s/step predicted "
+          f"({chosen['relative_step_time']:.3f} x the run's)")
 
 
 def _topology() -> str | None:
@@ -233,13 +308,20 @@ def main(argv):
         r["memory_bytes_per_device"] = m
   except ValueError as e:
     raise app.UsageError(str(e)) from None
+  # The timings are the recorded run's: they price its own expert-parallel size only.
+  priced = shards == traffic.expert_shards and price(traffic, results)
+  budget = int(_BUDGET.value * GIB) if topology and _BUDGET.value > 0 else None
+  chosen = pick(results, budget) if priced else None
   run_factors = set(traffic.factors.tolist()) & set(factors)
   path = os.path.join(_WORKDIR.value, "capacity.png")
   plot(results, run_factors, describe(traffic, shards), path)
   if _FORMAT.value == "json":
+    for r in results if priced else ():
+      r["pick"] = r is chosen
     print(json.dumps(results, indent=2))
   else:
-    print(f"{describe(traffic, shards)}\n\n{table(results, run_factors)}\n\nplot: {path}")
+    print(f"{describe(traffic, shards)}\n\n{table(results, run_factors)}\n\n"
+          f"{pick_line(chosen, priced, budget)}\nplot: {path}")
 
 
 if __name__ == "__main__":

@@ -211,3 +211,23 @@ def cross_entropy(hidden: jax.Array, embeddings: jax.Array, targets: jax.Array,
   total = jax.lax.scan(lambda acc, xs: (acc + body(*xs), None), jnp.zeros((), jnp.float32),
                        (split(hidden), split(targets)))[0]
   return total / targets.size
+
+
+def parameter_counts(params: hk.Params) -> tuple[int, int]:
+  """(all parameters, the routed experts' of them) in `params` (arrays or shapes): the routed
+  experts' are the MoE blocks' `wi_0`, `wi_1` and `wo`."""
+  total = routed = 0
+  for module, leaves in params.items():
+    for name, leaf in leaves.items():
+      size = math.prod(leaf.shape)
+      total += size
+      routed += size if module.endswith("/moe") and name in ("wi_0", "wi_1", "wo") else 0
+  return total, routed
+
+
+def attention_flops(config: ml_collections.ConfigDict) -> float:
+  """Attention's score and value matmuls per step, forward and backward: 12 x layers x heads x
+  head_dim x S / 2 per token (causal), which 6 x params x tokens leaves out."""
+  tokens = config.data.batch_size * config.data.seq_len
+  return (12 * config.num_layers * config.num_heads * config.head_dim *
+          config.data.seq_len / 2 * tokens)

@@ -24,7 +24,7 @@ from jax.experimental import multihost_utils
 
 import metrics
 import moe_hk
-from launch import autopilot, programs
+from launch import autopilot, programs, step_time
 from launch import console as console_lib
 from launch import data as data_lib
 from launch.attention import ATTENTION_IMPLS
@@ -355,7 +355,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
       recorder = (traffic.TrafficRecorder(
           workdir, expert_shards=config.mesh[m.expert_axis], k=m.num_experts_per_tok,
           tokens_per_device=batch_rows * config.data.seq_len // jax.device_count(),
-          max_bytes=config.traffic.max_mib * 1024 ** 2)
+          max_bytes=config.traffic.max_mib * 1024 ** 2, shape=traffic.RunShape(
+              config.data.seq_len, m.dropless_fallback_chunking == "adaptive",
+              m.dropless_fallback_num_chunks, *step_time.step_flops(state.params, config)))
           if config.traffic.record and jax.process_index() == 0 else None)
       reporter = _Reporter(config, writer, moe_metrics, batch_rows * config.data.seq_len,
                            recorder, pilot, console)

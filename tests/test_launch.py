@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import moe_hk
-from launch import capacity, model, overrides, trainer
+from launch import aot, capacity, model, overrides, trainer
 from launch.errors import UserError
 from metrics import traffic
 from metrics.event_files import read_histograms, read_images, read_scalars
@@ -142,6 +142,13 @@ def test_overflowing_run_trains_logs_alerts_records_and_checkpoints(baseline):
   assert set(where["receivers"]) <= set(range(8)) and set(where["hot_experts"]) <= set(range(8))
   assert "layer 0: expert shards" in first["message"]
   assert sorted(os.listdir(os.path.join(workdir, "checkpoints")))[-1] == "8"
+  # What prices other factors (launch.step_time): the run's chunking and matmul FLOPs, which at
+  # factor 1 are the 6 x active parameters x tokens (+ attention) of `launch.aot.model_flops`.
+  assert recorded.shape[:3] == (32, False, 0)
+  flops = aot.model_flops(run_config())
+  np.testing.assert_allclose(recorded.shape.flops_fixed + recorded.shape.flops_per_factor,
+                             flops["six_n_t"] + flops["attention_flops"], rtol=1e-12)
+  assert 0 < recorded.shape.flops_per_factor < recorded.shape.flops_fixed
   # The planner on the recorded traffic.
   [at_run] = capacity.plan(recorded, [FACTOR])
   assert at_run["fallback_frequency"] == pytest.approx(np.mean([f > 0 for f in fallbacks]))

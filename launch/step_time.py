@@ -1,0 +1,177 @@
+"""Seconds per train step at each buffer factor, from a run's own timed intervals.
+
+The trainer times every clean fetch interval (`metrics.traffic.Timings`: n steps at one factor
+f, K fallback chunks run in them, summed over steps and MoE layers, and the wall time). Per
+interval the model is
+
+  seconds = n * capped(f) + K * chunk(f)
+
+`capped(f)` is a step whose layers all fit their buffers; `chunk(f)` one chunk of a layer's
+fallback. Both are fitted per measured factor by least squares (`fit_factor`), with standard
+errors from the residuals. To price a factor that has not run (`StepTimeModel`):
+
+* `capped(f)`: with two or more measured factors, a line in f through their fits (weighted by
+  their errors); with one, the measured time scaled by the step's matmul FLOPs at f over those
+  at the measured factor. FLOPs: `fixed_flops + f * row_flops` (`step_flops`): the expert
+  matmuls run over the receive buffer, whose rows are f x balanced, the rest does not depend
+  on f.
+* `chunk(f)`: a chunk runs one MoE layer's experts over a buffer of R(f) rows, so its time is
+  proportional to f: the measured chunk times over their factors, averaged, times f. Where no
+  interval separates the chunk's time from the step's (no fallback ran, or the fallback ran
+  in the same proportion in every interval), a chunk is priced as one MoE layer's share of
+  the capped step's row-proportional FLOPs.
+
+`step(f, chunks_per_step)` adds the capped step and the expected fallback chunks per step at f
+(the caller replays the traffic for those: `launch.capacity`).
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Sequence
+
+import haiku as hk
+import ml_collections
+import numpy as np
+
+from launch import model
+from metrics.traffic import Timings
+
+
+class Estimate(NamedTuple):
+  seconds: float
+  se: float  # standard error, from the spread of the intervals
+
+
+class FactorFit(NamedTuple):
+  """What the timed intervals at one factor say."""
+  factor: float
+  capped: Estimate          # seconds of a step without fallback
+  chunk: Estimate | None    # seconds of one fallback chunk; None: not separable here
+  intervals: int
+
+
+class StepFlops(NamedTuple):
+  """Matmul FLOPs of one train step: `fixed + factor * per_factor`."""
+  fixed: float
+  per_factor: float
+  moe_layers: int
+
+  def at(self, factor: float) -> float:
+    return self.fixed + factor * self.per_factor
+
+  def row_share(self, factor: float) -> float:
+    """Share of the capped step's FLOPs that runs over the buffers' rows at `factor`."""
+    return factor * self.per_factor / self.at(factor)
+
+
+def step_flops(params: hk.Params, config: ml_collections.ConfigDict) -> tuple[float, float]:
+  """Matmul FLOPs of a train step of `config`'s model with `params` (arrays or shapes), as
+  `(fixed, per_factor)`: 6 x parameters x tokens (forward and backward) plus attention's, the
+  routed experts' part per unit of buffer factor (at factor 1 the buffers hold the balanced
+  K / E of the tokens per expert)."""
+  total, routed = model.parameter_counts(params)
+  tokens = config.data.batch_size * config.data.seq_len
+  share = config.moe.num_experts_per_tok / config.moe.num_experts
+  return (6.0 * (total - routed) * tokens + model.attention_flops(config),
+          6.0 * routed * share * tokens)
+
+
+def fit_factor(timings: Timings, factor: float, chunk_prior: float) -> FactorFit | None:
+  """Least squares over the intervals at `factor`; `chunk_prior` is a chunk's time as a
+  fraction of a capped step's, used when the intervals cannot separate the two. None when no
+  interval ran at `factor`."""
+  at = np.isclose(timings.factors, factor)
+  n, chunks, seconds = (np.asarray(a, np.float64)[at] for a in
+                        (timings.steps, timings.chunks, timings.seconds))
+  m = len(seconds)
+  if m == 0:
+    return None
+  per_step = seconds / n
+  ratio = chunks / n
+  if m >= 3 and np.ptp(ratio) > 0:
+    design = np.stack([n, chunks], axis=1)
+    theta, *_ = np.linalg.lstsq(design, seconds, rcond=None)
+    dof = m - 2
+    sigma2 = float(np.sum((seconds - design @ theta) ** 2)) / dof if dof else 0.0
+    cov = sigma2 * np.linalg.inv(design.T @ design)
+    return FactorFit(float(factor), Estimate(float(theta[0]), math.sqrt(cov[0, 0])),
+                     Estimate(float(theta[1]), math.sqrt(cov[1, 1])), m)
+  # One unknown: the step's time, a chunk priced at `chunk_prior` steps.
+  capped = per_step / (1.0 + chunk_prior * ratio)
+  se = float(np.std(capped, ddof=1) / math.sqrt(m)) if m > 1 else math.inf
+  return FactorFit(float(factor), Estimate(float(np.mean(capped)), se), None, m)
+
+
+class StepTimeModel:
+  """Predicted seconds per step at any buffer factor (module docstring)."""
+
+  def __init__(self, timings: Timings, flops: StepFlops):
+    self.flops = flops
+    self.fits = [fit for f in sorted(set(np.asarray(timings.factors).tolist()))
+                 if (fit := fit_factor(timings, f, self._chunk_prior(f))) is not None]
+    if not self.fits:
+      raise ValueError("no timed interval: the model needs at least one (metrics.traffic "
+                       "records one per fetch that ran one program and nothing else).")
+
+  def _chunk_prior(self, factor: float) -> float:
+    """A chunk's time as a fraction of a capped step's: one MoE layer's row-proportional
+    share of the step's FLOPs."""
+    return self.flops.row_share(factor) / self.flops.moe_layers
+
+  def capped(self, factor: float) -> Estimate:
+    points = {fit.factor: fit.capped for fit in self.fits}
+    if len(points) >= 2:
+      return _line(points, factor)
+    (measured, estimate), = points.items()
+    scale = self.flops.at(factor) / self.flops.at(measured)
+    return Estimate(estimate.seconds * scale, estimate.se * scale)
+
+  def chunk(self, factor: float) -> Estimate:
+    per_factor = [(fit.chunk.seconds / fit.factor, fit.chunk.se / fit.factor)
+                  for fit in self.fits if fit.chunk is not None]
+    if not per_factor:
+      capped = self.capped(factor)
+      prior = self._chunk_prior(factor)
+      return Estimate(capped.seconds * prior, capped.se * prior)
+    value, se = _weighted_mean(per_factor)
+    return Estimate(value * factor, se * factor)
+
+  def step(self, factor: float, chunks_per_step: float) -> Estimate:
+    """Seconds of a step at `factor` whose fallbacks run `chunks_per_step` chunks on average."""
+    capped, chunk = self.capped(factor), self.chunk(factor)
+    return Estimate(capped.seconds + chunks_per_step * chunk.seconds,
+                    math.hypot(capped.se, chunks_per_step * chunk.se))
+
+
+def _weights(ses: Sequence[float]) -> np.ndarray:
+  """Inverse-variance weights; equal where an error is zero or unknown."""
+  ses = np.asarray(ses, np.float64)
+  if np.all(np.isfinite(ses) & (ses > 0)):
+    return 1.0 / ses ** 2
+  return np.ones_like(ses)
+
+
+def _weighted_mean(values: list[tuple[float, float]]) -> tuple[float, float]:
+  x, ses = map(np.asarray, zip(*values))
+  w = _weights(ses)
+  mean = float(np.sum(w * x) / np.sum(w))
+  finite = np.isfinite(ses)
+  se = float(np.sqrt(np.sum((w * np.where(finite, ses, 0.0)) ** 2)) / np.sum(w))
+  return mean, se if np.all(finite) else math.inf
+
+
+def _line(points: dict[float, Estimate], factor: float) -> Estimate:
+  """Weighted least-squares line through `{factor: estimate}` (two or more), at `factor`."""
+  f = np.asarray(list(points), np.float64)
+  y = np.asarray([e.seconds for e in points.values()])
+  w = _weights([e.se for e in points.values()])
+  design = np.stack([np.ones_like(f), f], axis=1)
+  normal = design.T @ (w[:, None] * design)
+  theta = np.linalg.solve(normal, design.T @ (w * y))
+  x = np.array([1.0, factor])
+  ses = np.asarray([e.se for e in points.values()])
+  if np.all(np.isfinite(ses) & (ses > 0)):
+    se = math.sqrt(float(x @ np.linalg.inv(normal) @ x))
+  else:
+    se = math.inf
+  return Estimate(float(x @ theta), se)
