@@ -1,33 +1,49 @@
-"""The default job with the buffer-factor autopilot against fixed factors.
+"""The default job with the buffer-factor autopilot against fixed factors, in interleaved rounds.
 
-  python -m benchmarks.autopilot_run [--workdir=DIR --steps=200 --runs=auto3,fixed3,fixed2]
+  python -m benchmarks.autopilot_run [--workdir=DIR --steps=400 --rounds=3
+      --runs=auto,fixed1.5,fixed2,fixed2.5,fixed3,worst --from_step=100]
 
-Trains the default config (8 simulated CPU devices) three times, from scratch: the autopilot
-from factor 3.0 (`auto3`), and fixed factors 3.0 (`fixed3`) and 2.0 (`fixed2`). Reports per
-run: the factor over time (its changes), the fallback frequency over the run (steps whose
-fallback ran), steps/s in the steady state (from the event files' wall times between the
-fetches after step 20 and the last before the end, so the first compile is left out; the
-autopilot's candidate compiles run in the background inside that window), each program's
-per-device memory (from the compiler: the autopilot's alerts carry its candidates';
-`launch.capacity --aot_config` gives any factor's), and the final loss. The runs stay in
-`--workdir` (`DIR/<run>`), so `python -m launch.capacity --workdir=DIR/auto3` can replay their
-traffic. JSON, then a table.
+Trains the default config (8 simulated CPU devices) from scratch once per run and round: the
+autopilot from factor 3.0 (`auto`, `config.autopilot`'s defaults: the throughput objective),
+fixed factors (`fixedF`) and the worst-case buffer (`worst`, factor -1: nothing overflows).
+Round r runs every run once, the order rotated by r, so a slow stretch of the machine does not
+fall on one run. Per run and round: tokens/s over steps `--from_step`..`--steps` (the wall time
+between the event files' points of those steps: evals, checkpoints and the autopilot's
+compiles included, the first compile not), the autopilot's factor schedule, the fallback
+frequency, rows dropped, and the largest difference of its loss curve from the first fixed
+run's. Then, per run, the median tokens/s over the rounds and their spread, the autopilot's
+median over the best fixed run's, and `launch.capacity`'s predicted relative step time per
+factor (from the first fixed run's recorded traffic and timings, 1.0 at its factor) beside the
+measured one (the medians' seconds per step, in the same ratio). The runs stay in `--workdir`
+(`DIR/<run>-r<round>`). JSON, then tables.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import shutil
 
 import numpy as np
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.util import tensor_util
 
-from launch import platform, trainer
+from launch import capacity, platform, trainer
 from launch.configs import default
+from metrics.traffic import read_traffic
 
-RUNS = {"auto3": (3.0, True), "fixed3": (3.0, False), "fixed2": (2.0, False)}
-WARMUP = 20
+START = 3.0  # the autopilot's first factor
+
+
+def factor_of(name: str) -> float | None:
+  """The fixed factor a run name asks for (`fixed2.5`: 2.5, `worst`: -1), None for `auto`."""
+  if name == "auto":
+    return None
+  if name == "worst":
+    return -1.0
+  if name.startswith("fixed"):
+    return float(name[len("fixed"):])
+  raise ValueError(f"--runs: unknown run {name!r}; valid: auto, worst, fixedF (e.g. fixed2.5).")
 
 
 def _points(workdir: str, tag: str) -> dict[int, tuple[float, float]]:
@@ -38,19 +54,22 @@ def _points(workdir: str, tag: str) -> dict[int, tuple[float, float]]:
           for e in acc.Tensors(tag)}
 
 
-def run(name: str, workdir: str, steps: int) -> dict:
-  factor, auto = RUNS[name]
+def run(name: str, path: str, steps: int, from_step: int) -> dict:
+  fixed = factor_of(name)
   c = default.get_config()
   c.train_steps = steps
-  c.moe.ragged_buffer_factor = factor
-  c.autopilot.enabled = auto
-  path = os.path.join(workdir, name)
+  c.moe.ragged_buffer_factor = START if fixed is None else fixed
+  c.autopilot.enabled = fixed is None
+  shutil.rmtree(path, ignore_errors=True)
   losses = trainer.train_and_evaluate(c, path)
   factors = {s: v for s, (_, v) in _points(path, "moe/ragged_buffer_factor").items()}
-  fell_back = {s: v for s, (_, v) in _points(path, "learning/moe_dropless_fallback_layers").items()}
+  fell_back = _points(path, "learning/moe_dropless_fallback_layers")
+  dropped = _points(path, "moe/dropped_rows_fraction")
   times = {s: t for s, (t, _) in _points(path, "train/loss").items()}
-  last = max(s for s in times if (s + 1) % c.log_every == 0 and s + 1 < steps)
-  changes, memory = [], {}
+  # The points of one fetch share its wall time: time from the fetch holding `from_step - 1`
+  # to the last one.
+  first, last = from_step - 1, steps - 1
+  changes = []
   if os.path.exists(os.path.join(path, "alerts.jsonl")):
     with open(os.path.join(path, "alerts.jsonl")) as f:
       for alert in map(json.loads, f):
@@ -58,34 +77,95 @@ def run(name: str, workdir: str, steps: int) -> dict:
           d = alert["details"]
           changes.append({"step": alert["step"], "from": d["old_factor"], "to": d["new_factor"],
                           "reason": d["reason"]})
-          memory[d["new_factor"]] = d["evidence"]["memory_bytes_per_device"]
-  return {"run": name, "start_factor": factor, "autopilot": auto, "changes": changes,
-          "final_factor": factors[steps - 1],
-          "fallback_frequency": float(np.mean([fell_back[s] > 0 for s in range(steps)])),
-          "fallback_frequency_last_100": float(np.mean(
-              [fell_back[s] > 0 for s in range(max(0, steps - 100), steps)])),
-          "steps_per_second": (last - (WARMUP - 1)) / (times[last] - times[WARMUP - 1]),
-          "candidate_memory_bytes_per_device": memory, "final_loss": losses[-1]}
+  tokens = c.data.batch_size * c.data.seq_len
+  return {"run": name, "factor": c.moe.ragged_buffer_factor, "autopilot": fixed is None,
+          "changes": changes, "final_factor": factors[last],
+          "fallback_frequency": float(np.mean([fell_back[s][1] > 0 for s in range(steps)])),
+          "max_dropped_rows_fraction": max(v for _, v in dropped.values()),
+          "tokens_per_second": tokens * (last - first) / (times[last] - times[first]),
+          "losses": losses}
+
+
+def predicted(workdir: str, factors: list[float]) -> dict[float, float]:
+  """The planner's relative step time per factor, from the run in `workdir`."""
+  traffic = read_traffic(workdir)
+  results = capacity.plan(traffic, factors)
+  if not capacity.price(traffic, results):
+    return {}
+  return {r["factor"]: r["relative_step_time"] for r in results}
 
 
 def main():
   platform.setup(cpu_only=True)
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--workdir", default="workdir/autopilot_run")
-  parser.add_argument("--steps", type=int, default=200)
-  parser.add_argument("--runs", default=",".join(RUNS))
+  parser.add_argument("--steps", type=int, default=400)
+  parser.add_argument("--rounds", type=int, default=3)
+  parser.add_argument("--from_step", type=int, default=100)
+  parser.add_argument("--runs", default="auto,fixed1.5,fixed2,fixed2.5,fixed3,worst")
   args = parser.parse_args()
-  results = [run(name, args.workdir, args.steps) for name in args.runs.split(",")]
-  print(json.dumps(results, indent=2))
-  print("\n| run | factor over time | fallback frequency (all / last 100 steps) | steps/s | "
-        "final loss |")
-  print("|---|---|---|---|---|")
-  for r in results:
-    path = " -> ".join([f"{r['start_factor']:g}"] + [f"{c['to']:g} (step {c['step']})"
-                                                    for c in r["changes"]])
-    print(f"| {r['run']} | {path} | {r['fallback_frequency']:.2f} / "
-          f"{r['fallback_frequency_last_100']:.2f} | {r['steps_per_second']:.2f} | "
-          f"{r['final_loss']:.3f} |")
+  names = args.runs.split(",")
+  for name in names:
+    factor_of(name)  # refuses an unknown name before anything runs
+  if not 0 < args.from_step < args.steps:
+    parser.error(f"--from_step={args.from_step} must be in (0, --steps={args.steps}).")
+  rounds = []
+  for r in range(args.rounds):
+    order = names[r % len(names):] + names[:r % len(names)]
+    done = {n: run(n, os.path.join(args.workdir, f"{n}-r{r}"), args.steps, args.from_step)
+            for n in order}
+    rounds.append([done[n] for n in names])
+  fixed = [n for n in names if n != "auto"]
+  reference = rounds[0][names.index(fixed[0])] if fixed else None
+  for results in rounds:
+    for res in results:
+      res["max_loss_difference"] = (
+          float(np.max(np.abs(np.subtract(res["losses"], reference["losses"]))))
+          if reference else None)
+      del res["losses"]
+  median = {n: float(np.median([rd[i]["tokens_per_second"] for rd in rounds]))
+            for i, n in enumerate(names)}
+  spread = {n: (float(min(rd[i]["tokens_per_second"] for rd in rounds)),
+                float(max(rd[i]["tokens_per_second"] for rd in rounds)))
+            for i, n in enumerate(names)}
+  best = max(fixed, key=median.get) if fixed else None
+  factors = {n: (f if (f := factor_of(n)) > 0 else _worst()) for n in fixed}
+  prediction = (predicted(os.path.join(args.workdir, f"{fixed[0]}-r0"),
+                          sorted(set(factors.values()))) if fixed else {})
+  summary = {"rounds": rounds, "median_tokens_per_second": median, "spread": spread,
+             "best_fixed": best,
+             "autopilot_over_best_fixed": (median["auto"] / median[best]
+                                           if "auto" in median and best else None),
+             "predicted_relative_step_time": {str(k): v for k, v in prediction.items()},
+             # Seconds per step over the first fixed run's: its tokens/s over this run's.
+             "measured_relative_step_time": {n: median[fixed[0]] / median[n] for n in fixed}}
+  print(json.dumps(summary, indent=2))
+  print("\n| run | tokens/s (median) | spread over rounds | factor schedule (round 0) | "
+        "fallback frequency | dropped rows (max fraction) | max loss difference |")
+  print("|---|---|---|---|---|---|---|")
+  for i, n in enumerate(names):
+    r0 = rounds[0][i]
+    schedule = " -> ".join([f"{r0['factor']:g}"] + [f"{c['to']:g} ({c['reason']}, step "
+                                                     f"{c['step']})" for c in r0["changes"]])
+    print(f"| {n} | {median[n]:.0f} | {spread[n][0]:.0f}-{spread[n][1]:.0f} | {schedule} | "
+          f"{r0['fallback_frequency']:.2f} | {r0['max_dropped_rows_fraction']:g} | "
+          f"{r0['max_loss_difference']:.2g} |")
+  if "auto" in median and best:
+    print(f"\nautopilot / best fixed ({best}): {median['auto'] / median[best]:.3f}")
+  if prediction:
+    print(f"\n| factor | predicted relative step time (planner, {fixed[0]} round 0) | "
+          "measured (medians) |")
+    print("|---|---|---|")
+    for n in fixed:
+      f = factors[n]
+      print(f"| {n} ({f:g}) | {prediction.get(f, float('nan')):.3f} | "
+            f"{median[fixed[0]] / median[n]:.3f} |")
+
+
+def _worst() -> float:
+  """The default job's worst-case factor, min(P, E / K)."""
+  c = default.get_config()
+  return min(c.mesh.expert, c.moe.num_experts / c.moe.num_experts_per_tok)
 
 
 if __name__ == "__main__":

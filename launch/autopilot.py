@@ -1,20 +1,28 @@
-"""The buffer-factor autopilot: picks `ragged_buffer_factor` from the measured traffic.
+"""The buffer-factor autopilot: picks `ragged_buffer_factor` from the run's own measurements.
 
-`FactorController` is pure host logic over the per-step required factors (the max over MoE
-layers: one factor serves every layer, since the layer stack scans identical shapes). The
-factor `f` would have made a recorded step fall back exactly when the step's required factor
-exceeds `f` (received rows > floor(N f) <=> received / N > f for whole rows), so the window
-predicts each candidate's fallback frequency. Rules:
+`FactorController` is pure host logic over the per-step, per-layer required factors (one
+factor serves every layer, since the layer stack scans identical shapes). A layer overflows at
+factor `f` exactly when its required factor exceeds `f` (received rows > floor(N f) <=>
+received / N > f for whole rows), so the last `window` steps predict, for every candidate, the
+fallback frequency (steps with an overflowing layer) and the overflowing layers per step.
+Candidates are the multiples of `rung` up to the worst case. Two objectives:
 
-* lower: once a full `window` of steps has been seen since the last change, to the smallest
-  rung of the ladder (multiples of `rung`) whose predicted frequency is at most the target, if
-  that is below the factor in force;
-* raise: at once, when the fallback ran on more than twice the target fraction of the last
-  `window // 4` steps, to the smallest rung above the factor in force whose predicted
-  frequency over the window is at most the target.
+* `'throughput'` (the default): the timed fetch intervals (`observe_interval`) fit
+  `launch.step_time`'s model, which predicts seconds per step at every candidate (the capped
+  step, plus the overflowing layers x the fallback's chunks x a chunk's time). Once a full
+  `window` has passed since the last change, move to the fastest candidate whose predicted
+  fallback frequency is at most `max_frequency`, when it promises at least `min_gain` of the
+  step and more than twice the prediction's standard error, and its compile pays for itself
+  within the steps left. The guard: when the fallback ran on more than `max_frequency` of the
+  last `window // 4` steps, raise at once to the smallest candidate whose predicted frequency
+  is at most `max_frequency`.
+* `'fallback_frequency'`: lower, once a full window has passed since the last change, to the
+  smallest candidate whose predicted frequency is at most `target`; raise at once, when the
+  fallback ran on more than twice the target of the last `window // 4` steps, to the smallest
+  candidate above the factor in force whose predicted frequency is at most the target.
 
-The hysteresis: a lowered factor is only raised again on twice the target, and only lowered
-again after another full window.
+Either way a change waits a full window (the early router transient passes through the window
+before it can pin a factor) and the guard is the only immediate move.
 
 `ProgramCache` compiles the train step for a candidate factor in a background thread while
 training goes on, checks its compiled memory against a budget, and hands it over at a step
@@ -30,6 +38,11 @@ from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
+from launch import step_time
+from metrics.traffic import Timings
+
+OBJECTIVES = ("throughput", "fallback_frequency")
+
 
 def ladder(rung: float, worst_case: float) -> np.ndarray:
   """Candidate factors: multiples of `rung` up to the worst case `min(P, E / K)` (included)."""
@@ -41,71 +54,176 @@ def ladder(rung: float, worst_case: float) -> np.ndarray:
 
 class Decision(NamedTuple):
   factor: float       # the factor to move to
-  reason: str         # 'lower' or 'raise'
+  reason: str         # 'lower', 'raise' or 'faster' (the throughput objective)
   evidence: dict      # what the window showed (for the alert)
 
 
-def check_settings(*, target: float, window: int, max_programs: int = 1) -> None:
+def check_settings(*, target: float, window: int, max_programs: int = 1,
+                   objective: str = "throughput", max_frequency: float = 0.5) -> None:
   """Checks the autopilot's settings (`config.autopilot`): ValueError naming the bad one."""
+  if objective not in OBJECTIVES:
+    raise ValueError(f"config.autopilot.objective={objective!r} is invalid: must be one of "
+                     f"{', '.join(map(repr, OBJECTIVES))}.")
   if not 0 < target < 1:
     raise ValueError(f"config.autopilot.target_fallback_frequency={target} must be in (0, 1).")
+  if not 0 < max_frequency <= 1:
+    raise ValueError(f"config.autopilot.max_fallback_frequency={max_frequency} must be in "
+                     "(0, 1].")
   if window < 4:
     raise ValueError(f"config.autopilot.window={window} must be >= 4.")
   if max_programs < 1:
     raise ValueError(f"config.autopilot.max_programs={max_programs} must be >= 1.")
 
 
+class Pricing(NamedTuple):
+  """What the throughput objective needs besides the timings."""
+  flops: step_time.StepFlops                 # the step's matmul FLOPs per factor
+  chunks: Callable[[float], float]           # fallback chunks per overflowing layer at a
+                                             # factor (NaN: no fallback fits its buffer)
+
+
 class FactorController:
-  """Proposes the buffer factor from the required factors of recent steps."""
+  """Proposes the buffer factor from the required factors and timings of recent steps."""
 
   def __init__(self, factor: float, *, target: float, worst_case: float, window: int = 100,
-               rung: float = 0.125):
-    check_settings(target=target, window=window)
+               rung: float = 0.125, objective: str = "fallback_frequency",
+               max_frequency: float = 0.5, pricing: Pricing | None = None,
+               min_gain: float = 0.03, max_intervals: int = 256):
+    check_settings(target=target, window=window, objective=objective,
+                   max_frequency=max_frequency)
+    if objective == "throughput" and pricing is None:
+      raise ValueError("the throughput objective needs the step's pricing")
     self.factor = float(factor)
     self.target = target
     self.window = window
+    self.objective = objective
+    self.max_frequency = max_frequency
+    self.pricing = pricing
+    self.min_gain = min_gain
     self.ladder = ladder(rung, worst_case)
-    self._required = collections.deque(maxlen=window)  # max over layers, per step
+    self._required = collections.deque(maxlen=window)  # per step: [layers]
+    self._matrix: np.ndarray | None = None  # _required as [steps, layers], when built
     self._fell_back = collections.deque(maxlen=window)
+    self._intervals = collections.deque(maxlen=max_intervals)  # (factor, steps, chunks, s)
     self._since_change = 0
-    self.refused: set[float] = set()  # factors whose program does not fit the budget
+    self.refused: set[float] = set()  # factors whose program did not fit the budget
 
-  def observe(self, required_factor: float, fell_back: bool) -> None:
-    """One finished step: its required factor (max over layers) and whether it fell back."""
-    self._required.append(float(required_factor))
+  def observe(self, required_factors, fell_back: bool) -> None:
+    """One finished step: its required factor per MoE layer (a number: one layer) and whether
+    it fell back."""
+    self._required.append(tuple(np.atleast_1d(np.asarray(required_factors, float)).tolist()))
+    self._matrix = None
     self._fell_back.append(bool(fell_back))
     self._since_change += 1
 
+  def observe_interval(self, factor: float, steps: int, chunks: int, seconds: float) -> None:
+    """A cleanly timed fetch interval: `steps` steps at `factor` that ran `chunks` fallback
+    chunks (summed over steps and layers) in `seconds`."""
+    self._intervals.append((float(factor), int(steps), int(chunks), float(seconds)))
+
+  def _refused(self, factor: float) -> bool:
+    """Whether `factor`'s program is known not to fit: memory grows with the factor, so every
+    factor from the smallest refused one up."""
+    return bool(self.refused) and factor >= min(self.refused) - 1e-9
+
+  def _overflowing(self, factor: float) -> np.ndarray:
+    """[window steps, layers]: whether each layer would have overflowed at `factor`."""
+    if self._matrix is None:
+      # A step restored from a checkpoint written before per-layer factors holds one number
+      # (the max over layers): its other layers count as not overflowing.
+      width = max((len(r) for r in self._required), default=1)
+      self._matrix = np.array([r + (0.0,) * (width - len(r))
+                               for r in self._required]).reshape(-1, width)
+    return self._matrix > factor
+
   def predicted_frequency(self, factor: float) -> float:
     """Fraction of the window's steps that would have fallen back at `factor`."""
-    return float(np.mean(np.asarray(self._required) > factor)) if self._required else 0.0
+    return float(np.mean(self._overflowing(factor).any(axis=1))) if self._required else 0.0
 
-  def _smallest_fitting(self, above: float) -> float | None:
+  def timings(self) -> Timings:
+    """The observed intervals as `metrics.traffic.Timings`."""
+    rows = list(zip(*self._intervals)) or [()] * 4
+    factors, steps, chunks, seconds = (np.asarray(c, t) for c, t in
+                                       zip(rows, (np.float64, np.int64, np.int64, np.float64)))
+    return Timings(factors, steps, np.zeros_like(steps), chunks, seconds)
+
+  def prices(self) -> dict[float, step_time.Estimate]:
+    """Predicted seconds per step of the factor in force and of every candidate not refused
+    whose predicted fallback frequency is at most `max_frequency`; {} before any interval
+    ran at the factor in force."""
+    timings = self.timings()
+    if self.pricing is None or not np.any(np.isclose(timings.factors, self.factor)):
+      return {}
+    model = step_time.StepTimeModel(timings, self.pricing.flops)
+    out = {}
+    for f in sorted({self.factor, *map(float, self.ladder)}):
+      if f != self.factor and (self._refused(f) or self.predicted_frequency(f) >
+                               self.max_frequency):
+        continue
+      chunks = self.pricing.chunks(f)
+      if not math.isfinite(chunks):
+        continue
+      per_step = float(np.mean(self._overflowing(f).sum(axis=1))) * chunks
+      out[f] = model.step(f, per_step)
+    return out
+
+  def _smallest_fitting(self, above: float, frequency: float) -> float | None:
     for f in self.ladder:
-      if (f > above + 1e-9 and float(f) not in self.refused and
-          self.predicted_frequency(f) <= self.target):
+      if (f > above + 1e-9 and not self._refused(float(f)) and
+          self.predicted_frequency(f) <= frequency):
         return float(f)
     return None
 
-  def propose(self) -> Decision | None:
-    """The factor to move to now, or None to keep the one in force."""
+  def propose(self, steps_left: int | None = None, compile_seconds: float = 0.0
+              ) -> Decision | None:
+    """The factor to move to now, or None to keep the one in force. `steps_left` and
+    `compile_seconds` (what a new program costs) bound the throughput objective's moves."""
     short = max(1, self.window // 4)
     recent = list(self._fell_back)[-short:]
     observed = float(np.mean(recent)) if len(recent) == short else 0.0
+    required = [max(r) for r in self._required]
     evidence = {"window_steps": len(self._required), "observed_recent_frequency": observed,
-                "recent_steps": short, "target_fallback_frequency": self.target,
-                "max_required_factor": max(self._required, default=0.0)}
-    if observed > 2 * self.target:
-      up = self._smallest_fitting(above=self.factor)
+                "recent_steps": short, "objective": self.objective,
+                "target_fallback_frequency": self.target,
+                "max_fallback_frequency": self.max_frequency,
+                "max_required_factor": max(required, default=0.0)}
+    guard = 2 * self.target if self.objective == "fallback_frequency" else self.max_frequency
+    bound = self.target if self.objective == "fallback_frequency" else self.max_frequency
+    if observed > guard:
+      up = self._smallest_fitting(above=self.factor, frequency=bound)
       if up is not None:
         return Decision(up, "raise",
                         {**evidence, "predicted_frequency": self.predicted_frequency(up)})
-    if self._since_change >= self.window:
-      down = self._smallest_fitting(above=0.0)
+    if self._since_change < self.window:
+      return None
+    if self.objective == "fallback_frequency":
+      down = self._smallest_fitting(above=0.0, frequency=self.target)
       if down is not None and down < self.factor - 1e-9:
         return Decision(down, "lower",
                         {**evidence, "predicted_frequency": self.predicted_frequency(down)})
-    return None
+      return None
+    return self._faster(evidence, steps_left, compile_seconds)
+
+  def _faster(self, evidence: dict, steps_left: int | None, compile_seconds: float
+              ) -> Decision | None:
+    """The throughput objective's move after a full window (module docstring)."""
+    prices = self.prices()
+    if self.factor not in prices:
+      return None
+    now = prices[self.factor]
+    best = min(prices, key=lambda f: prices[f].seconds)
+    gain = now.seconds - prices[best].seconds
+    noise = 2 * math.hypot(now.se, prices[best].se)
+    if best == self.factor or not gain > max(self.min_gain * now.seconds, noise):
+      return None
+    payback = compile_seconds / gain
+    if steps_left is not None and payback >= steps_left:
+      return None
+    return Decision(best, "faster", {
+        **evidence, "predicted_frequency": self.predicted_frequency(best),
+        "predicted_step_seconds": {"old": now.seconds, "new": prices[best].seconds},
+        "predicted_step_seconds_se": {"old": now.se, "new": prices[best].se},
+        "payback_steps": payback})
 
   def switched(self, factor: float) -> None:
     """The trainer now runs `factor`."""
@@ -113,18 +231,23 @@ class FactorController:
     self._since_change = 0
 
   def state_dict(self) -> dict:
-    return {"factor": self.factor, "required": list(self._required),
+    return {"factor": self.factor, "required": [list(r) for r in self._required],
             "fell_back": list(self._fell_back), "since_change": self._since_change,
-            "refused": sorted(self.refused)}
+            "refused": sorted(self.refused), "intervals": [list(i) for i in self._intervals]}
 
   def load_state_dict(self, state: dict) -> None:
     self.factor = float(state["factor"])
     self._required.clear()
-    self._required.extend(state["required"])
+    # Checkpoints before per-layer factors hold one number (the max over layers) per step.
+    self._required.extend(tuple(np.atleast_1d(np.asarray(r, float)).tolist())
+                          for r in state["required"])
+    self._matrix = None
     self._fell_back.clear()
     self._fell_back.extend(bool(v) for v in state["fell_back"])
     self._since_change = int(state["since_change"])
     self.refused = {float(f) for f in state["refused"]}
+    self._intervals.clear()
+    self._intervals.extend(tuple(i) for i in state.get("intervals", []))
 
 
 class Program(NamedTuple):
@@ -218,6 +341,9 @@ class Autopilot:
     self.on_change = on_change
     self.wait = wait
     self._decision: Decision | None = None
+    # What a new program costs, for the throughput objective's payback: the longest compile
+    # seen (the trainer sets the first step's).
+    self.compile_seconds = 0.0
 
   @property
   def factor(self) -> float:
@@ -232,11 +358,12 @@ class Autopilot:
     self.controller.load_state_dict(state["controller"])
     self.cache.compiled = int(state["compiled"])
 
-  def observe(self, stats) -> None:
-    self.controller.observe(float(np.max(stats.required_factor)),
+  def observe(self, stats, steps_left: int | None = None) -> None:
+    """One finished step's `MoEStats`; `steps_left` in the run after it."""
+    self.controller.observe(np.asarray(stats.required_factor, float).reshape(-1),
                             bool(np.any(np.asarray(stats.fallback) > 0)))
     if self._decision is None:
-      decision = self.controller.propose()
+      decision = self.controller.propose(steps_left, self.compile_seconds)
       if decision is not None and self.cache.request(decision.factor):
         self._decision = decision
 

@@ -45,7 +45,7 @@ from matplotlib.figure import Figure
 from launch import cli, platform
 from launch import step_time
 from metrics.traffic import Traffic, read_traffic
-from moe_hk import dispatch_plan, fallback
+from moe_hk import dispatch_plan
 
 # launch.aot loads the trainer (CLU and TensorFlow: many seconds), so it loads only when a compile
 # is asked for; it defines --compile_topology, so before the flags are parsed.
@@ -112,23 +112,20 @@ def plan(traffic: Traffic, factors: Sequence[float],
 def price(traffic: Traffic, results: list[dict]) -> bool:
   """Adds `step_seconds`, `step_seconds_se` and `relative_step_time` to each of `results`
   (`plan`'s, for the recorded expert-parallel size) from the run's timed intervals; False,
-  changing nothing, when the traffic has no timings or run shape, or chunks adaptively (its
-  chunk counts at other factors are not modelled)."""
+  changing nothing, when the traffic has no timings or run shape. With adaptive chunking a
+  fallback is priced at its most chunks (`step_time.fallback_chunks`): an upper bound."""
   shape, timings = traffic.shape, traffic.timings
-  if shape is None or timings is None or not len(timings.seconds) or shape.adaptive_chunking:
+  if shape is None or timings is None or not len(timings.seconds):
     return False
   model = step_time.StepTimeModel(timings, step_time.StepFlops(
       shape.flops_fixed, shape.flops_per_factor, moe_layers=traffic.counts.shape[1]))
   shards, experts = traffic.expert_shards, traffic.counts.shape[-1]
 
   def seconds(r: dict) -> step_time.Estimate:
-    try:
-      chunks = fallback.fallback_num_chunks(
-          batch=traffic.tokens_per_device // shape.seq_len, seq=shape.seq_len, k=traffic.k,
-          shards=shards, local_experts=experts // shards, rows=r["buffer_rows"],
-          requested=shape.requested_chunks)
-    except ValueError:
-      return step_time.Estimate(math.nan, math.nan)  # no fallback fits: not a candidate
+    chunks = step_time.fallback_chunks(
+        r["factor"], tokens_per_device=traffic.tokens_per_device, seq_len=shape.seq_len,
+        k=traffic.k, shards=shards, local_experts=experts // shards,
+        requested=shape.requested_chunks)
     return model.step(r["factor"], r["overflowing_layers_mean"] * chunks)
 
   [at_run] = plan(traffic, [float(traffic.factors[-1])])
@@ -262,15 +259,16 @@ def plot(results: list[dict], run_factors: set[float], title: str, path: str) ->
   figure.savefig(path, dpi=120)
 
 
-def pick_line(chosen: dict | None, priced: bool, budget: int | None) -> str:
-  """One line naming the pick, or why there is none."""
+def pick_line(chosen: dict | None, priced: bool, budget: int | None, adaptive: bool) -> str:
+  """One line naming the pick, or why there is none; `adaptive`: the run chunked its
+  fallbacks adaptively, so their prices are upper bounds."""
   if not priced:
-    return ("pick: none (the run recorded no step timings for this expert-parallel size, or "
-            "chunks adaptively)")
+    return "pick: none (the run recorded no step timings for this expert-parallel size)"
   if chosen is None:
     return f"pick: none fits the memory budget of {budget / GIB:g} GiB"
   return (f"pick: factor {chosen['factor']:g}, {chosen['step_seconds']:.4f} s/step predicted "
-          f"({chosen['relative_step_time']:.3f} x the run's)")
+          f"({chosen['relative_step_time']:.3f} x the run's)" +
+          ("; adaptive chunking: fallbacks priced at their most chunks" if adaptive else ""))
 
 
 def _topology() -> str | None:
@@ -321,7 +319,8 @@ def main(argv):
     print(json.dumps(results, indent=2))
   else:
     print(f"{describe(traffic, shards)}\n\n{table(results, run_factors)}\n\n"
-          f"{pick_line(chosen, priced, budget)}\nplot: {path}")
+          f"{pick_line(chosen, priced, budget, priced and traffic.shape.adaptive_chunking)}"
+          f"\nplot: {path}")
 
 
 if __name__ == "__main__":

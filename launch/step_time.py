@@ -21,8 +21,9 @@ errors from the residuals. To price a factor that has not run (`StepTimeModel`):
   in the same proportion in every interval), a chunk is priced as one MoE layer's share of
   the capped step's row-proportional FLOPs.
 
-`step(f, chunks_per_step)` adds the capped step and the expected fallback chunks per step at f
-(the caller replays the traffic for those: `launch.capacity`).
+`step(f, chunks_per_step)` adds the capped step and the expected fallback chunks per step at f:
+the overflowing layers per step, replayed from the traffic (`launch.capacity`, the autopilot's
+window), times `fallback_chunks(f)`.
 """
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ import numpy as np
 
 from launch import model
 from metrics.traffic import Timings
+from moe_hk import dispatch_plan, fallback
 
 
 class Estimate(NamedTuple):
@@ -74,6 +76,21 @@ def step_flops(params: hk.Params, config: ml_collections.ConfigDict) -> tuple[fl
   share = config.moe.num_experts_per_tok / config.moe.num_experts
   return (6.0 * (total - routed) * tokens + model.attention_flops(config),
           6.0 * routed * share * tokens)
+
+
+def fallback_chunks(factor: float, *, tokens_per_device: int, seq_len: int, k: int, shards: int,
+                    local_experts: int, requested: int) -> float:
+  """Chunks one layer's fallback runs at `factor`: the fixed fallback's count for the buffer of
+  that factor (`moe_hk.fallback.fallback_num_chunks`; `requested` > 0: that count), NaN when
+  no fallback fits the buffer. With adaptive chunking it is the most a fallback runs: the
+  fixed rung bounds every rung's chunks."""
+  try:
+    rows = dispatch_plan.buffer_rows(shards, tokens_per_device, k, local_experts, factor)
+    return float(fallback.fallback_num_chunks(
+        batch=tokens_per_device // seq_len, seq=seq_len, k=k, shards=shards,
+        local_experts=local_experts, rows=rows, requested=requested))
+  except ValueError:
+    return math.nan
 
 
 def fit_factor(timings: Timings, factor: float, chunk_prior: float) -> FactorFit | None:

@@ -10,6 +10,7 @@ same with one process or many (`jax.distributed`).
 """
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import threading
@@ -93,7 +94,8 @@ def validate(config: ml_collections.ConfigDict, devices: int | None = None) -> N
              "and a fallback (config.moe.moe_dropless_fallback 'layer' or 'step', not "
              f"{layer.moe_dropless_fallback!r}): a lower factor would otherwise drop rows.")
     autopilot.check_settings(target=pilot.target_fallback_frequency, window=pilot.window,
-                             max_programs=pilot.max_programs)
+                             max_programs=pilot.max_programs, objective=pilot.objective,
+                             max_frequency=pilot.max_fallback_frequency)
   _require(pilot.memory_budget_gib >= 0,
            f"config.autopilot.memory_budget_gib={pilot.memory_budget_gib} must be >= 0.")
   _require(config.traffic.max_mib >= 0,
@@ -215,17 +217,21 @@ class _Reporter:
         self.moe_metrics.alerts.nonfinite_step(p.step, float(out["loss"]),
                                                float(out["grad_norm"]))
       if self.pilot is not None:
-        self.pilot.observe(stats)
+        self.pilot.observe(stats, steps_left=self.config.train_steps - p.step - 1)
     # Clean: no compile was under way at either end, and none started in between.
     compiles = self._compile_state()
     clean = (self._compiled and not self._disturbed and compiles == self._compiles and
              not compiles[1])
     self._disturbed, self._compiles = False, compiles
+    chunks = [out["moe_stats"].fallback_chunks for out in fetched]
+    if clean and self.pilot is not None and len({p.factor for p in pending}) == 1:
+      self.pilot.controller.observe_interval(pending[0].factor, len(pending),
+                                             int(np.sum(chunks)), seconds)
     if self.recorder is not None:
       self.recorder.append([p.step for p in pending],
                            np.stack([out["moe_stats"].routed_rows_per_device for out in fetched]),
                            [p.factor for p in pending],
-                           np.stack([out["moe_stats"].fallback_chunks for out in fetched]),
+                           np.stack(chunks),
                            seconds if clean else float("nan"))
     # The writes run on the writer's thread: the loop queues a flush and dispatches the next
     # steps while TensorFlow writes this interval's points.
@@ -248,22 +254,38 @@ class _Reporter:
     pending.clear()
 
 
-def _autopilot(config, mesh, steps: Steps, moe_metrics: metrics.MoEMetrics, worst_case: float
-               ) -> autopilot.Autopilot | None:
+def _autopilot(config, mesh, steps: Steps, moe_metrics: metrics.MoEMetrics, worst_case: float,
+               params) -> autopilot.Autopilot | None:
   """The buffer-factor autopilot of `config.autopilot`, or None when it is off; `worst_case`
-  is the worst-case buffer's factor, its highest candidate."""
+  is the worst-case buffer's factor, its highest candidate; `params` (or their shapes) price
+  a step's FLOPs."""
   pilot = config.autopilot
   if not pilot.enabled:
     return None
+  m = config.moe
+  shards = config.mesh[m.expert_axis]
+  chunks = functools.partial(
+      step_time.fallback_chunks, tokens_per_device=_tokens_per_device(config),
+      seq_len=config.data.seq_len, k=m.num_experts_per_tok, shards=shards,
+      local_experts=m.num_experts // shards, requested=m.dropless_fallback_num_chunks)
+  pricing = autopilot.Pricing(step_time.StepFlops(
+      *step_time.step_flops(params, config), moe_layers=config.num_layers // config.moe_every),
+      chunks)
   controller = autopilot.FactorController(
-      config.moe.ragged_buffer_factor, target=pilot.target_fallback_frequency,
-      worst_case=worst_case, window=pilot.window)
+      m.ragged_buffer_factor, target=pilot.target_fallback_frequency,
+      worst_case=worst_case, window=pilot.window, objective=pilot.objective,
+      max_frequency=pilot.max_fallback_frequency, pricing=pricing)
   cache = autopilot.ProgramCache(programs.compiler(config, mesh, steps),
                                  budget_bytes=programs.memory_budget_bytes(config, mesh),
                                  max_programs=pilot.max_programs)
   def on_change(step, old, new, decision):
     moe_metrics.alerts.factor_changed(step, old, new, decision.reason, decision.evidence)
   return autopilot.Autopilot(controller, cache, on_change=on_change, wait=pilot.wait)
+
+
+def _tokens_per_device(config) -> int:
+  """T: the tokens of one device's share of the global batch."""
+  return config.data.batch_size * config.data.seq_len // jax.device_count()
 
 
 def _check_workdir(workdir: str) -> None:
@@ -338,7 +360,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     with metrics.MoEMetricsWriter(workdir) as writer, metrics.MoEMetrics(
         workdir, worst_case_factor=worst, writer=writer, flush_on_sigterm=False) as moe_metrics:
       writer.write_hparams(flat_hparams(config))
-      pilot = _autopilot(config, mesh, steps, moe_metrics, worst)
+      pilot = _autopilot(config, mesh, steps, moe_metrics, worst, state.params)
       if restored is not None:
         data.set_state(restored.data)
         moe_metrics.aggregator.load_state_dict(restored.moe_metrics)
@@ -354,7 +376,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
           pilot.cache.add(autopilot.Program(factor, run, None))
       recorder = (traffic.TrafficRecorder(
           workdir, expert_shards=config.mesh[m.expert_axis], k=m.num_experts_per_tok,
-          tokens_per_device=batch_rows * config.data.seq_len // jax.device_count(),
+          tokens_per_device=_tokens_per_device(config),
           max_bytes=config.traffic.max_mib * 1024 ** 2, shape=traffic.RunShape(
               config.data.seq_len, m.dropless_fallback_chunking == "adaptive",
               m.dropless_fallback_num_chunks, *step_time.step_flops(state.params, config)))
@@ -381,8 +403,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
         state, out = run(state, batch)
         if step == first:
           jax.block_until_ready(out["loss"])
-          console.line(f"first step: {time.perf_counter() - compile_started:.1f} s "
-                       "(compilation included)")
+          compile_seconds = time.perf_counter() - compile_started
+          console.line(f"first step: {compile_seconds:.1f} s (compilation included)")
+          if pilot is not None:
+            pilot.compile_seconds = max(pilot.compile_seconds, compile_seconds)
         pending.append(_Pending(step, out, factor))
         done = step + 1 == config.train_steps
         evaluate = (step + 1) % config.eval_every == 0 or done

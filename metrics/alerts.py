@@ -126,11 +126,18 @@ class AlertManager:
     the autopilot's own hysteresis bounds how often)."""
     frequency = float(evidence.get("observed_recent_frequency", 0.0))
     required = float(evidence.get("max_required_factor", 0.0))
+    bound = ("max_fallback_frequency" if evidence.get("objective") == "throughput" else
+             "target_fallback_frequency")
+    seconds = evidence.get("predicted_step_seconds")
     message = (f"MoE autopilot [buffer_factor_changed] at step {step}: ragged_buffer_factor "
-               f"{old:g} -> {new:g} ({reason}); over the last {evidence.get('window_steps')} "
+               f"{old:g} -> {new:g} ({reason}); " +
+               (f"predicted {seconds['old']:.4g} s/step at {old:g}, {seconds['new']:.4g} at "
+                f"{new:g} (its compile pays back in {evidence['payback_steps']:.0f} steps); "
+                if seconds else "") +
+               f"over the last {evidence.get('window_steps')} "
                f"steps the max required factor was {required:.3g}, the predicted fallback "
                f"frequency at {new:g} is {evidence.get('predicted_frequency', 0.0):.1%} "
-               f"(target {evidence.get('target_fallback_frequency', 0.0):.1%}), observed "
+               f"({bound.split('_')[0]} {evidence.get(bound, 0.0):.1%}), observed "
                f"{frequency:.1%} over the last {evidence.get('recent_steps')} steps" +
                (f"; the new program needs {memory / 2**20:.1f} MiB per device."
                 if (memory := evidence.get("memory_bytes_per_device")) else "."))

@@ -1,11 +1,14 @@
 """The buffer-factor autopilot's host logic: the ladder, lowering, raising, hysteresis, the
 program cache's memory and recompile budgets (the end-to-end run is in test_launch)."""
+import math
 import threading
+from typing import NamedTuple
 
 import numpy as np
 import pytest
 
-from launch import autopilot
+from launch import autopilot, step_time
+from metrics.alerts import AlertManager
 
 
 def test_ladder_is_multiples_of_the_rung_up_to_the_worst_case():
@@ -52,15 +55,23 @@ def test_refused_factors_are_skipped_and_state_round_trips():
   for _ in range(20):
     c.observe(0.9, fell_back=False)
   c.refused.add(1.0)
-  assert c.propose().factor == 1.25
+  assert c.propose() is None  # memory grows with the factor: 1.0 refused refuses 1.25 too
+  c.refused = {1.25}
+  assert c.propose().factor == 1.0
   restored = _controller(factor=2.0)
   restored.load_state_dict(c.state_dict())
   assert restored.state_dict() == c.state_dict() and restored.factor == 3.0
   assert restored.propose() == c.propose()
 
 
-@pytest.mark.parametrize("kw,pattern", [(dict(target=0.0), "target_fallback_frequency=0.0"),
-                                        (dict(window=2), r"autopilot\.window=2")])
+@pytest.mark.parametrize("kw,pattern", [
+    (dict(target=0.0), "target_fallback_frequency=0.0"),
+    (dict(window=2), r"autopilot\.window=2"),
+    (dict(objective="speed"), "objective='speed' is invalid: must be one of 'throughput', "
+                              "'fallback_frequency'"),
+    (dict(max_frequency=1.5), r"max_fallback_frequency=1\.5 must be in \(0, 1\]"),
+    (dict(objective="throughput"), "the throughput objective needs the step's pricing"),
+])
 def test_bad_settings(kw, pattern):
   with pytest.raises(ValueError, match=pattern):
     _controller(**kw)
@@ -85,5 +96,137 @@ def test_program_cache_compiles_in_the_background_within_its_budgets():
     assert cache.fits(cache.ready(2.0)) and not cache.fits(cache.ready(3.0))  # 300 > 250
     assert threads and all(t.startswith("moe-autopilot") for t in threads)
     assert cache.compiled == 2
+  finally:
+    cache.close()
+
+
+# The throughput objective on a synthetic run whose true times are known: a capped step costs
+# 0.2 + 0.05 f s, a fallback chunk 0.01 f s, and a layer's fallback runs ceil(4 / f) chunks.
+LAYERS = 3
+FLOPS = step_time.StepFlops(fixed=0.2e12, per_factor=0.05e12, moe_layers=LAYERS)
+
+
+def chunks(factor: float) -> float:
+  return float(math.ceil(4 / factor)) if factor >= 1 else math.nan
+
+
+def true_step(factor: float, required: np.ndarray, chunk_scale: float = 1.0) -> float:
+  """Mean seconds per step over `required [steps, layers]` at `factor`."""
+  overflowing = (required > factor).sum(axis=1).mean()
+  return 0.2 + 0.05 * factor + overflowing * chunks(factor) * 0.01 * chunk_scale * factor
+
+
+def _throughput(factor, **kw):
+  args = dict(target=0.01, worst_case=4.0, window=20, rung=0.25, objective="throughput",
+              max_frequency=0.5, pricing=autopilot.Pricing(FLOPS, chunks))
+  args.update(kw)
+  return autopilot.FactorController(factor, **args)
+
+
+def _feed(controller, required, chunk_scale=1.0, noise=0.0, intervals=6, seed=0):
+  """The window's steps, then `intervals` timed intervals of 5 steps at the factor in force,
+  drawn from the window so the chunks per interval vary."""
+  rng = np.random.default_rng(seed)
+  f = controller.factor
+  for r in required:
+    controller.observe(r, fell_back=bool((r > f).any()))
+  for i in range(intervals):
+    part = required[5 * (i % 4):5 * (i % 4) + 5]
+    ran = int((part > f).sum() * chunks(f))
+    seconds = 5 * (0.2 + 0.05 * f) + ran * 0.01 * chunk_scale * f
+    controller.observe_interval(f, 5, ran, seconds * (1 + noise * rng.standard_normal()))
+
+
+def _required(seed=0, low=1.0, high=2.8):
+  """[20 steps, LAYERS] required factors, the steps that need the most first (so the window's
+  last quarter, which the guard watches, needs the least)."""
+  required = np.random.default_rng(seed).uniform(low, high, (20, LAYERS))
+  return required[np.argsort(-required.max(axis=1))]
+
+
+def test_throughput_moves_to_the_fastest_factor_within_the_guard():
+  required = _required()
+  c = _throughput(2.5)  # some layers overflow: the intervals separate a chunk from a step
+  _feed(c, required, chunk_scale=5.0)
+  prices = c.prices()
+  candidates = [f for f in c.ladder if c.predicted_frequency(f) <= 0.5]
+  assert sorted(prices) == sorted(map(float, candidates)) and 2.5 in prices
+  for f, estimate in prices.items():  # one factor measured: the FLOPs and the chunk fit are exact
+    np.testing.assert_allclose(estimate.seconds, true_step(f, required, 5.0), rtol=1e-9)
+  best = min(candidates, key=lambda f: true_step(f, required, 5.0))
+  decision = c.propose(steps_left=10_000, compile_seconds=30.0)
+  assert decision.reason == "faster" and decision.factor == best != 2.5
+  old, new = (decision.evidence["predicted_step_seconds"][k] for k in ("old", "new"))
+  assert new < 0.97 * old
+  assert decision.evidence["payback_steps"] == pytest.approx(30.0 / (old - new))
+  # The compile would not pay for itself in the steps left: stay.
+  assert c.propose(steps_left=int(30.0 / (old - new)), compile_seconds=30.0) is None
+
+
+def test_throughput_does_not_act_on_noise_small_gains_or_before_a_window():
+  required = _required()
+  early = _throughput(3.0)
+  _feed(early, required[:10], chunk_scale=5.0)
+  assert early.propose() is None  # half a window
+  noisy = _throughput(3.0)
+  _feed(noisy, required, chunk_scale=5.0, noise=0.5, intervals=3)
+  assert noisy.propose() is None  # the prediction's error is larger than the gain
+  # A gain below min_gain is not worth a program.
+  flat = _throughput(3.0, min_gain=0.5)
+  _feed(flat, required, chunk_scale=0.01)
+  assert flat.propose() is None
+
+
+def test_throughput_guard_raises_at_once_when_fallbacks_exceed_the_bound():
+  c = _throughput(1.0, window=20)
+  c.switched(1.0)
+  required = np.full((5, LAYERS), 1.2)
+  required[:, 0] = [2.1, 2.2, 1.9, 2.0, 1.8]
+  for r in required:  # 5 of the last 5 steps fell back: > 0.5
+    c.observe(r, fell_back=True)
+  decision = c.propose()
+  assert decision.reason == "raise" and decision.factor == 2.0
+  assert c.predicted_frequency(1.75) == 1.0 and c.predicted_frequency(2.0) == 0.4  # 2.1, 2.2
+
+
+class Stats(NamedTuple):  # the fields of MoEStats the autopilot reads
+  required_factor: np.ndarray  # [layers]
+  fallback: np.ndarray         # [layers]
+
+
+def test_throughput_under_a_budget_never_runs_a_program_past_it_and_takes_the_fastest_that_fits():
+  """Expensive fallbacks make a large factor the fastest; a budget of 275 bytes (factors up to
+  2.75) refuses it (compiled, never run), and the autopilot moves to the fastest that fits."""
+  required = _required(seed=1)
+  memory = lambda f: int(f * 100)
+  alerts = AlertManager(worst_case_factor=4.0)
+  changes = []
+  def on_change(step, old, new, decision):
+    changes.append(alerts.factor_changed(step, old, new, decision.reason, decision.evidence))
+  cache = autopilot.ProgramCache(lambda f: autopilot.Program(f, f"step {f}", memory(f)),
+                                 budget_bytes=275, max_programs=8)
+  c = _throughput(2.5)
+  pilot = autopilot.Autopilot(c, cache, wait=True, on_change=on_change)
+  try:
+    _feed(c, required, chunk_scale=40.0)
+    prices = {f: e.seconds for f, e in c.prices().items()}
+    fastest = min(prices, key=prices.get)
+    fits = min((f for f in prices if memory(f) <= 275), key=prices.get)
+    assert memory(fastest) > 275 and fits != 2.5
+    # Each observed step is one the window already holds, so its predictions stay the same.
+    step = lambda i: pilot.observe(Stats(required[i], required[i] > c.factor), steps_left=1000)
+    step(0)                                  # proposes the fastest: compiled, over budget
+    assert pilot.switch(20) is None and fastest in c.refused and c.factor == 2.5
+    step(1)                                  # the fastest that fits
+    program = pilot.switch(21)
+    assert program.factor == fits and program.memory_bytes <= 275
+    assert [(a.details["old_factor"], a.details["new_factor"]) for a in changes] == [(2.5, fits)]
+    assert c.factor == fits
+    # The alert says why: the predicted seconds per step at both factors.
+    [alert] = changes
+    old, new = (alert.details["evidence"]["predicted_step_seconds"][k] for k in ("old", "new"))
+    assert (f"ragged_buffer_factor 2.5 -> {fits:g} (faster); predicted {old:.4g} s/step at 2.5, "
+            f"{new:.4g} at {fits:g}") in alert.message
+    assert "(max 50.0%)" in alert.message
   finally:
     cache.close()

@@ -376,8 +376,8 @@ def _autopilot_config():
   than this run), compiled while the step waits for it."""
   c = run_config(checkpoint_every=500)
   c.moe.ragged_buffer_factor = 4.0
-  c.autopilot.update(enabled=True, target_fallback_frequency=0.3, window=4, max_programs=1,
-                     wait=True)
+  c.autopilot.update(enabled=True, objective="fallback_frequency", target_fallback_frequency=0.3,
+                     window=4, max_programs=1, wait=True)
   return c
 
 

@@ -152,4 +152,5 @@ def test_cli_prints_the_prices_and_the_pick(timed_run, capsys):
   assert [r["relative_step_time"] for r in results][0] == 1.0
   # Regrouped for another expert-parallel size, the run's timings say nothing: no prices.
   run_main(f"--workdir={workdir}", "--factors=1.5", "--expert_shards=2")
-  assert "pick: none (the run recorded no step timings" in capsys.readouterr().out
+  assert "pick: none (the run recorded no step timings for this expert-parallel size)" in (
+      capsys.readouterr().out)

@@ -59,14 +59,18 @@ def get_config() -> ml_collections.ConfigDict:
   # The routed traffic, rows per (device, expert) and step: WORKDIR/traffic, for the planner
   # (`launch.capacity`); the directory keeps at most max_mib, newest first.
   c.traffic = ml_collections.ConfigDict(dict(record=True, max_mib=1024))
-  # The buffer-factor autopilot: picks the smallest factor (steps of 1/8) whose predicted
-  # fallback frequency over the last `window` steps is <= target_fallback_frequency;
-  # compiles candidates in the background (at most max_programs), refuses any over
-  # memory_budget_gib (0: the device's memory on TPU/GPU, none on CPU). wait: wait for a
-  # candidate's compile (a reproducible factor schedule).
+  # The buffer-factor autopilot (docs/autopilot.md). objective 'throughput': after each full
+  # `window` of steps, the factor (steps of 1/8) with the most predicted tokens/s, from the
+  # run's own timed steps, among those whose predicted fallback frequency is at most
+  # max_fallback_frequency (which also raises the factor at once when exceeded);
+  # 'fallback_frequency': the smallest factor whose predicted fallback frequency is at most
+  # target_fallback_frequency. Candidates compile in the background (at most max_programs);
+  # any over memory_budget_gib (0: the device's memory on TPU/GPU, none on CPU) is refused.
+  # wait: wait for a candidate's compile (a reproducible factor schedule).
   c.autopilot = ml_collections.ConfigDict(dict(
-      enabled=False, target_fallback_frequency=0.01, memory_budget_gib=0.0, window=100,
-      max_programs=8, wait=False))
+      enabled=False, objective="throughput", target_fallback_frequency=0.01,
+      max_fallback_frequency=0.5, memory_budget_gib=0.0, window=100, max_programs=8,
+      wait=False))
   # MoE telemetry (TensorBoard tags, alerts); the training scalars are written either way.
   # False needs the layer's callbacks off too (moe.emit_fallback_events, moe.stream_step_stats).
   c.moe_metrics = True
