@@ -116,13 +116,12 @@ def main():
             for n in order}
     rounds.append([done[n] for n in names])
   fixed = [n for n in names if n != "auto"]
-  reference = rounds[0][names.index(fixed[0])] if fixed else None
+  reference = rounds[0][names.index(fixed[0])]["losses"] if fixed else None
   for results in rounds:
     for res in results:
-      res["max_loss_difference"] = (
-          float(np.max(np.abs(np.subtract(res["losses"], reference["losses"]))))
-          if reference else None)
-      del res["losses"]
+      losses = res.pop("losses")
+      res["max_loss_difference"] = (float(np.max(np.abs(np.subtract(losses, reference))))
+                                    if reference else None)
   median = {n: float(np.median([rd[i]["tokens_per_second"] for rd in rounds]))
             for i, n in enumerate(names)}
   spread = {n: (float(min(rd[i]["tokens_per_second"] for rd in rounds)),
