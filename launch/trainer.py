@@ -255,10 +255,10 @@ class _Reporter:
 
 
 def _autopilot(config, mesh, steps: Steps, moe_metrics: metrics.MoEMetrics, worst_case: float,
-               params) -> autopilot.Autopilot | None:
+               flops: tuple[float, float]) -> autopilot.Autopilot | None:
   """The buffer-factor autopilot of `config.autopilot`, or None when it is off; `worst_case`
-  is the worst-case buffer's factor, its highest candidate; `params` (or their shapes) price
-  a step's FLOPs."""
+  is the worst-case buffer's factor, its highest candidate; `flops` the step's matmul FLOPs
+  (`step_time.step_flops`)."""
   pilot = config.autopilot
   if not pilot.enabled:
     return None
@@ -269,8 +269,7 @@ def _autopilot(config, mesh, steps: Steps, moe_metrics: metrics.MoEMetrics, wors
       seq_len=config.data.seq_len, k=m.num_experts_per_tok, shards=shards,
       local_experts=m.num_experts // shards, requested=m.dropless_fallback_num_chunks)
   pricing = autopilot.Pricing(step_time.StepFlops(
-      *step_time.step_flops(params, config), moe_layers=config.num_layers // config.moe_every),
-      chunks)
+      *flops, moe_layers=config.num_layers // config.moe_every), chunks)
   controller = autopilot.FactorController(
       m.ragged_buffer_factor, target=pilot.target_fallback_frequency,
       worst_case=worst_case, window=pilot.window, objective=pilot.objective,
@@ -360,7 +359,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     with metrics.MoEMetricsWriter(workdir) as writer, metrics.MoEMetrics(
         workdir, worst_case_factor=worst, writer=writer, flush_on_sigterm=False) as moe_metrics:
       writer.write_hparams(flat_hparams(config))
-      pilot = _autopilot(config, mesh, steps, moe_metrics, worst, state.params)
+      flops = step_time.step_flops(state.params, config)
+      pilot = _autopilot(config, mesh, steps, moe_metrics, worst, flops)
       if restored is not None:
         data.set_state(restored.data)
         moe_metrics.aggregator.load_state_dict(restored.moe_metrics)
@@ -379,7 +379,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
           tokens_per_device=_tokens_per_device(config),
           max_bytes=config.traffic.max_mib * 1024 ** 2, shape=traffic.RunShape(
               config.data.seq_len, m.dropless_fallback_chunking == "adaptive",
-              m.dropless_fallback_num_chunks, *step_time.step_flops(state.params, config)))
+              m.dropless_fallback_num_chunks, *flops))
           if config.traffic.record and jax.process_index() == 0 else None)
       reporter = _Reporter(config, writer, moe_metrics, batch_rows * config.data.seq_len,
                            recorder, pilot, console)
