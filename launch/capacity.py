@@ -288,6 +288,13 @@ def _cpu_devices(topology: str | None) -> int:
 def main(argv):
   del argv  # launch.cli refuses arguments that are not flags
   topology = _topology()
+  if _BUDGET.value < 0:
+    raise app.UsageError(f"--memory_budget_gib={_BUDGET.value:g} must be >= 0 (0: no budget).",
+                         exitcode=cli.FLAG_MISUSE)
+  if _BUDGET.value and topology is None:
+    raise app.UsageError(f"--memory_budget_gib={_BUDGET.value:g} needs the compiled memory it "
+                         "is compared with: add --aot_config=CFG --compile_topology=TOPO.",
+                         exitcode=cli.FLAG_MISUSE)
   if (_AOT_CONFIG.value is None) != (topology is None):
     raise app.UsageError("--aot_config and --compile_topology go together (e.g. "
                          "--aot_config=launch/configs/tiny.py --compile_topology=cpu:8).",
@@ -308,7 +315,7 @@ def main(argv):
     raise app.UsageError(str(e)) from None
   # The timings are the recorded run's: they price its own expert-parallel size only.
   priced = shards == traffic.expert_shards and price(traffic, results)
-  budget = int(_BUDGET.value * GIB) if topology and _BUDGET.value > 0 else None
+  budget = int(_BUDGET.value * GIB) if _BUDGET.value else None
   chosen = pick(results, budget) if priced else None
   run_factors = set(traffic.factors.tolist()) & set(factors)
   path = os.path.join(_WORKDIR.value, "capacity.png")

@@ -390,6 +390,8 @@ def test_cli_table(run, capsys):
     (["--factors=0.001"], "leaves a receive buffer of 0 rows"),
     (["--expert_shards=3"], "expert_shards=3 must divide the 8 recorded devices"),
     (["--aot_config=launch/configs/tiny.py"], "--aot_config and --compile_topology go together"),
+    (["--memory_budget_gib=1"], "--memory_budget_gib=1 needs the compiled memory"),
+    (["--memory_budget_gib=-2"], r"--memory_budget_gib=-2 must be >= 0"),
 ])
 def test_cli_refuses_bad_input(run, args, message):
   with pytest.raises(app.UsageError, match=message):
