@@ -145,6 +145,7 @@ class FactorController:
     rows = list(zip(*self._intervals)) or [()] * 4
     factors, steps, chunks, seconds = (np.asarray(c, t) for c, t in
                                        zip(rows, (np.float64, np.int64, np.int64, np.float64)))
+    # fallback_steps is not kept: the step-time model needs the chunks only.
     return Timings(factors, steps, np.zeros_like(steps), chunks, seconds)
 
   def prices(self) -> dict[float, step_time.Estimate]:
@@ -174,10 +175,12 @@ class FactorController:
         return float(f)
     return None
 
-  def propose(self, steps_left: int | None = None, compile_seconds: float = 0.0
-              ) -> Decision | None:
+  def propose(self, steps_left: int | None = None, compile_seconds: float = 0.0,
+              price: bool = True) -> Decision | None:
     """The factor to move to now, or None to keep the one in force. `steps_left` and
-    `compile_seconds` (what a new program costs) bound the throughput objective's moves."""
+    `compile_seconds` (what a new program costs) bound the throughput objective's moves;
+    `price=False` skips them (the prices change only with a new timed interval, so the
+    autopilot prices once per interval, not once per step)."""
     short = max(1, self.window // 4)
     recent = list(self._fell_back)[-short:]
     observed = float(np.mean(recent)) if len(recent) == short else 0.0
@@ -202,7 +205,7 @@ class FactorController:
         return Decision(down, "lower",
                         {**evidence, "predicted_frequency": self.predicted_frequency(down)})
       return None
-    return self._faster(evidence, steps_left, compile_seconds)
+    return self._faster(evidence, steps_left, compile_seconds) if price else None
 
   def _faster(self, evidence: dict, steps_left: int | None, compile_seconds: float
               ) -> Decision | None:
@@ -327,7 +330,8 @@ class Autopilot:
   """The controller and the program cache in the training loop.
 
   The trainer calls `observe(stats)` for every finished step (the step's `MoEStats`, numpy,
-  fields `[layers, ...]`) and `switch(step)` before every step, which returns the program to
+  fields `[layers, ...]`), `observe_interval(...)` for every cleanly timed fetch interval,
+  and `switch(step)` before every step, which returns the program to
   run from `step` on when a candidate is compiled and fits, else None. `on_change(step, old,
   new, decision)` is called on every switch (the trainer raises `buffer_factor_changed`).
   With `wait`, a decision waits for its compile (a reproducible factor schedule); without, the
@@ -358,12 +362,22 @@ class Autopilot:
     self.controller.load_state_dict(state["controller"])
     self.cache.compiled = int(state["compiled"])
 
-  def observe(self, stats, steps_left: int | None = None) -> None:
-    """One finished step's `MoEStats`; `steps_left` in the run after it."""
+  def observe(self, stats) -> None:
+    """One finished step's `MoEStats`: the fallback-frequency rules and the guard."""
     self.controller.observe(np.asarray(stats.required_factor, float).reshape(-1),
                             bool(np.any(np.asarray(stats.fallback) > 0)))
+    self._propose(price=False)
+
+  def observe_interval(self, factor: float, steps: int, chunks: int, seconds: float,
+                       steps_left: int) -> None:
+    """A cleanly timed fetch interval (`FactorController.observe_interval`), `steps_left` in
+    the run after it: the throughput objective prices the candidates."""
+    self.controller.observe_interval(factor, steps, chunks, seconds)
+    self._propose(price=True, steps_left=steps_left)
+
+  def _propose(self, price: bool, steps_left: int | None = None) -> None:
     if self._decision is None:
-      decision = self.controller.propose(steps_left, self.compile_seconds)
+      decision = self.controller.propose(steps_left, self.compile_seconds, price=price)
       if decision is not None and self.cache.request(decision.factor):
         self._decision = decision
 

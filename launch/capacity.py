@@ -128,7 +128,8 @@ def price(traffic: Traffic, results: list[dict]) -> bool:
         requested=shape.requested_chunks)
     return model.step(r["factor"], r["overflowing_layers_mean"] * chunks)
 
-  [at_run] = plan(traffic, [float(traffic.factors[-1])])
+  run = float(traffic.factors[-1])
+  at_run = next((r for r in results if r["factor"] == run), None) or plan(traffic, [run])[0]
   reference = seconds(at_run).seconds
   for r in results:
     r["step_seconds"], r["step_seconds_se"] = seconds(r)
@@ -247,11 +248,9 @@ def plot(results: list[dict], run_factors: set[float], title: str, path: str) ->
     memory.set_ylabel(f"{unit} per device")
     memory.set_ylim(bottom=0)
   if timed:
-    reference = min((r for r in results if r["relative_step_time"] == 1.0),
-                    key=lambda r: r["factor"], default=None)
-    scale = reference["step_seconds"] if reference else math.nan
     below[0].errorbar(factors, [r["relative_step_time"] for r in results],
-                      yerr=[r["step_seconds_se"] / scale for r in results], fmt="d-",
+                      yerr=[r["step_seconds_se"] * r["relative_step_time"] / r["step_seconds"]
+                            for r in results], fmt="d-",
                       color="C3", label="relative step time (predicted, 1 = the run's)")
     below[0].set(xlabel="ragged_buffer_factor", ylabel="step time / the run's")
   # Below the axes: inside, it would hide points of one of the curves.

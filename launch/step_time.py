@@ -12,9 +12,9 @@ errors from the residuals. To price a factor that has not run (`StepTimeModel`):
 
 * `capped(f)`: with two or more measured factors, a line in f through their fits (weighted by
   their errors); with one, the measured time scaled by the step's matmul FLOPs at f over those
-  at the measured factor. FLOPs: `fixed_flops + f * row_flops` (`step_flops`): the expert
-  matmuls run over the receive buffer, whose rows are f x balanced, the rest does not depend
-  on f.
+  at the measured factor. FLOPs: `StepFlops.fixed + f * StepFlops.per_factor` (`step_flops`):
+  the expert matmuls run over the receive buffer, whose rows are f x balanced, the rest does
+  not depend on f.
 * `chunk(f)`: a chunk runs one MoE layer's experts over a buffer of R(f) rows, so its time is
   proportional to f: the measured chunk times over their factors, averaged, times f. Where no
   interval separates the chunk's time from the step's (no fallback ran, or the fallback ran
@@ -108,8 +108,7 @@ def fit_factor(timings: Timings, factor: float, chunk_prior: float) -> FactorFit
   if m >= 3 and np.ptp(ratio) > 0:
     design = np.stack([n, chunks], axis=1)
     theta, *_ = np.linalg.lstsq(design, seconds, rcond=None)
-    dof = m - 2
-    sigma2 = float(np.sum((seconds - design @ theta) ** 2)) / dof if dof else 0.0
+    sigma2 = float(np.sum((seconds - design @ theta) ** 2)) / (m - 2)
     cov = sigma2 * np.linalg.inv(design.T @ design)
     return FactorFit(float(factor), Estimate(float(theta[0]), math.sqrt(cov[0, 0])),
                      Estimate(float(theta[1]), math.sqrt(cov[1, 1])), m)

@@ -217,7 +217,7 @@ class _Reporter:
         self.moe_metrics.alerts.nonfinite_step(p.step, float(out["loss"]),
                                                float(out["grad_norm"]))
       if self.pilot is not None:
-        self.pilot.observe(stats, steps_left=self.config.train_steps - p.step - 1)
+        self.pilot.observe(stats)
     # Clean: no compile was under way at either end, and none started in between.
     compiles = self._compile_state()
     clean = (self._compiled and not self._disturbed and compiles == self._compiles and
@@ -225,8 +225,8 @@ class _Reporter:
     self._disturbed, self._compiles = False, compiles
     chunks = [out["moe_stats"].fallback_chunks for out in fetched]
     if clean and self.pilot is not None and len({p.factor for p in pending}) == 1:
-      self.pilot.controller.observe_interval(pending[0].factor, len(pending),
-                                             int(np.sum(chunks)), seconds)
+      self.pilot.observe_interval(pending[0].factor, len(pending), int(np.sum(chunks)), seconds,
+                                  steps_left=self.config.train_steps - pending[-1].step - 1)
     if self.recorder is not None:
       self.recorder.append([p.step for p in pending],
                            np.stack([out["moe_stats"].routed_rows_per_device for out in fetched]),

@@ -213,12 +213,17 @@ def test_throughput_under_a_budget_never_runs_a_program_past_it_and_takes_the_fa
     fastest = min(prices, key=prices.get)
     fits = min((f for f in prices if memory(f) <= 275), key=prices.get)
     assert memory(fastest) > 275 and fits != 2.5
-    # Each observed step is one the window already holds, so its predictions stay the same.
-    step = lambda i: pilot.observe(Stats(required[i], required[i] > c.factor), steps_left=1000)
-    step(0)                                  # proposes the fastest: compiled, over budget
-    assert pilot.switch(20) is None and fastest in c.refused and c.factor == 2.5
-    step(1)                                  # the fastest that fits
-    program = pilot.switch(21)
+    # A step alone prices nothing (only the guard and the frequency rules run per step).
+    pilot.observe(Stats(required[0], required[0] > c.factor))
+    assert pilot.switch(20) is None and not c.refused
+    # Each interval, timed by the true model (as `_feed`'s), prices the candidates again.
+    ran = int((required[:5] > 2.5).sum() * chunks(2.5))
+    interval = lambda: pilot.observe_interval(
+        2.5, 5, ran, 5 * (0.2 + 0.05 * 2.5) + ran * 0.01 * 40.0 * 2.5, steps_left=1000)
+    interval()                               # proposes the fastest: compiled, over budget
+    assert pilot.switch(21) is None and fastest in c.refused and c.factor == 2.5
+    interval()                               # the fastest that fits
+    program = pilot.switch(22)
     assert program.factor == fits and program.memory_bytes <= 275
     assert [(a.details["old_factor"], a.details["new_factor"]) for a in changes] == [(2.5, fits)]
     assert c.factor == fits
