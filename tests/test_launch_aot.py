@@ -26,18 +26,17 @@ def test_bad_topology_names_the_valid_forms(topology, message):
 
 
 @pytest.mark.slow
-def test_train_step_memory_per_variant():
-  """The tiny model's full train step compiles for a v5p slice; the checkpointed chunk scan
-  needs less than the unrolled chunk loop (on a CPU mesh: tests/test_fallback_memory.py)."""
+def test_train_step_compiles_for_v5p_with_its_memory():
+  """The tiny model's full train step (the scan fallback) compiles for a v5p slice through
+  `launch.aot`, with the compiler's memory figures. (The scan's memory below the unrolled
+  chunk loop's, on a v5p topology and a CPU mesh: tests/test_fallback_memory.py.)"""
   require_libtpu()
-  devices = aot.topology_devices("v5p-16")
-  config = tiny.get_config()
   with user_precision():
-    rows = {v: aot.compile_variant(config, devices, v) for v in ("fallback_scan",
-                                                                  "fallback_unrolled")}
-  for row in rows.values():
-    assert row["compiled"] and row["argument_bytes"] > 0 and row["temp_bytes"] > 0
-  assert rows["fallback_scan"]["total_bytes"] < rows["fallback_unrolled"]["total_bytes"]
+    row = aot.compile_variant(tiny.get_config(), aot.topology_devices("v5p-16"),
+                              "fallback_scan")
+  assert row["compiled"], row
+  assert row["argument_bytes"] > 0 and row["temp_bytes"] > 0, row
+  assert row["alias_bytes"] > 0, row  # the state is donated: the new one reuses its buffers
 
 
 @pytest.mark.slow
