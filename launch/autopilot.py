@@ -13,9 +13,11 @@ Candidates are the multiples of `rung` up to the worst case. Two objectives:
   `window` has passed since the last change, move to the fastest candidate whose predicted
   fallback frequency is at most `max_frequency`, when it promises at least `min_gain` of the
   step and more than twice the prediction's standard error, and its compile pays for itself
-  within the steps left. The guard: when the fallback ran on more than `max_frequency` of the
-  last `window // 4` steps, raise at once to the smallest candidate whose predicted frequency
-  is at most `max_frequency`.
+  within the steps left (a factor already compiled costs none, so a move that measures
+  slower than predicted is undone for free once the new factor's intervals correct the
+  model). The guard: when the fallback ran on more than `max_frequency` of the last
+  `window // 4` steps, raise at once to the smallest candidate whose predicted frequency is
+  at most `max_frequency`.
 * `'fallback_frequency'`: lower, once a full window has passed since the last change, to the
   smallest candidate whose predicted frequency is at most `target`; raise at once, when the
   fallback ran on more than twice the target of the last `window // 4` steps, to the smallest
@@ -34,7 +36,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import math
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, Collection, NamedTuple
 
 import numpy as np
 
@@ -176,11 +178,12 @@ class FactorController:
     return None
 
   def propose(self, steps_left: int | None = None, compile_seconds: float = 0.0,
-              price: bool = True) -> Decision | None:
+              price: bool = True, compiled: Collection[float] = ()) -> Decision | None:
     """The factor to move to now, or None to keep the one in force. `steps_left` and
-    `compile_seconds` (what a new program costs) bound the throughput objective's moves;
-    `price=False` skips them (the prices change only with a new timed interval, so the
-    autopilot prices once per interval, not once per step)."""
+    `compile_seconds` (what a new program costs; nothing for the factors in `compiled`, whose
+    programs exist) bound the throughput objective's moves; `price=False` skips them (the
+    prices change only with a new timed interval, so the autopilot prices once per interval,
+    not once per step)."""
     short = max(1, self.window // 4)
     recent = list(self._fell_back)[-short:]
     observed = float(np.mean(recent)) if len(recent) == short else 0.0
@@ -205,10 +208,10 @@ class FactorController:
         return Decision(down, "lower",
                         {**evidence, "predicted_frequency": self.predicted_frequency(down)})
       return None
-    return self._faster(evidence, steps_left, compile_seconds) if price else None
+    return self._faster(evidence, steps_left, compile_seconds, compiled) if price else None
 
-  def _faster(self, evidence: dict, steps_left: int | None, compile_seconds: float
-              ) -> Decision | None:
+  def _faster(self, evidence: dict, steps_left: int | None, compile_seconds: float,
+              compiled: Collection[float]) -> Decision | None:
     """The throughput objective's move after a full window (module docstring)."""
     prices = self.prices()
     if self.factor not in prices:
@@ -219,7 +222,8 @@ class FactorController:
     noise = 2 * math.hypot(now.se, prices[best].se)
     if best == self.factor or not gain > max(self.min_gain * now.seconds, noise):
       return None
-    payback = compile_seconds / gain
+    cost = 0.0 if any(math.isclose(best, f) for f in compiled) else compile_seconds
+    payback = cost / gain
     if steps_left is not None and payback >= steps_left:
       return None
     return Decision(best, "faster", {
@@ -302,6 +306,11 @@ class ProgramCache:
     self._futures[factor] = self._pool.submit(self._compile, factor)
     return True
 
+  def ready_factors(self) -> set[float]:
+    """The factors whose programs are compiled (taking one again costs no compile)."""
+    return {f for f, future in self._futures.items()
+            if future.done() and not future.cancelled() and future.exception() is None}
+
   def busy(self) -> bool:
     """Whether a background compile is under way."""
     return any(not future.done() for future in self._futures.values())
@@ -377,7 +386,8 @@ class Autopilot:
 
   def _propose(self, price: bool, steps_left: int | None = None) -> None:
     if self._decision is None:
-      decision = self.controller.propose(steps_left, self.compile_seconds, price=price)
+      decision = self.controller.propose(steps_left, self.compile_seconds, price=price,
+                                         compiled=self.cache.ready_factors() if price else ())
       if decision is not None and self.cache.request(decision.factor):
         self._decision = decision
 

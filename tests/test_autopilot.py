@@ -123,9 +123,9 @@ def _throughput(factor, **kw):
   return autopilot.FactorController(factor, **args)
 
 
-def _feed(controller, required, chunk_scale=1.0, noise=0.0, intervals=6, seed=0):
+def _feed(controller, required, chunk_scale=1.0, noise=0.0, intervals=6, seed=0, slower=0.0):
   """The window's steps, then `intervals` timed intervals of 5 steps at the factor in force,
-  drawn from the window so the chunks per interval vary."""
+  drawn from the window so the chunks per interval vary; `slower` s added to every step."""
   rng = np.random.default_rng(seed)
   f = controller.factor
   for r in required:
@@ -133,7 +133,7 @@ def _feed(controller, required, chunk_scale=1.0, noise=0.0, intervals=6, seed=0)
   for i in range(intervals):
     part = required[5 * (i % 4):5 * (i % 4) + 5]
     ran = int((part > f).sum() * chunks(f))
-    seconds = 5 * (0.2 + 0.05 * f) + ran * 0.01 * chunk_scale * f
+    seconds = 5 * (0.2 + 0.05 * f + slower) + ran * 0.01 * chunk_scale * f
     controller.observe_interval(f, 5, ran, seconds * (1 + noise * rng.standard_normal()))
 
 
@@ -159,8 +159,10 @@ def test_throughput_moves_to_the_fastest_factor_within_the_guard():
   old, new = (decision.evidence["predicted_step_seconds"][k] for k in ("old", "new"))
   assert new < 0.97 * old
   assert decision.evidence["payback_steps"] == pytest.approx(30.0 / (old - new))
-  # The compile would not pay for itself in the steps left: stay.
+  # The compile would not pay for itself in the steps left: stay; unless the program exists.
   assert c.propose(steps_left=int(30.0 / (old - new)), compile_seconds=30.0) is None
+  again = c.propose(steps_left=int(30.0 / (old - new)), compile_seconds=30.0, compiled={best})
+  assert again.factor == best and again.evidence["payback_steps"] == 0.0
 
 
 def test_throughput_does_not_act_on_noise_small_gains_or_before_a_window():
@@ -233,5 +235,35 @@ def test_throughput_under_a_budget_never_runs_a_program_past_it_and_takes_the_fa
     assert (f"ragged_buffer_factor 2.5 -> {fits:g} (faster); predicted {old:.4g} s/step at 2.5, "
             f"{new:.4g} at {fits:g}") in alert.message
     assert "(max 50.0%)" in alert.message
+  finally:
+    cache.close()
+
+
+def test_a_move_that_measured_slower_is_undone_without_a_compile():
+  """The one-factor prior promises a smaller factor is faster; measured there, every step is
+  0.2 s slower. Once the new factor's window is in, the model (now a line through both
+  factors) prices the old factor fastest, and its program exists: the autopilot moves back
+  with no compile, even with one step left."""
+  required = _required(high=2.0)  # factors from 2.0 up fall back on at most half the steps
+  compiles = []
+  def compile_fn(factor):
+    compiles.append(factor)
+    return autopilot.Program(factor, f"step {factor}", None)
+  cache = autopilot.ProgramCache(compile_fn, budget_bytes=None, max_programs=8)
+  cache.add(autopilot.Program(2.5, "step 2.5", None))
+  c = _throughput(2.5, worst_case=2.5)
+  pilot = autopilot.Autopilot(c, cache, wait=True, on_change=lambda *a: None)
+  pilot.compile_seconds = 30.0
+  try:
+    _feed(c, required, chunk_scale=0.01, noise=0.01)
+    pilot.observe_interval(2.5, 5, 0, 5 * (0.2 + 0.05 * 2.5), steps_left=10_000)
+    moved = pilot.switch(20)
+    assert moved is not None and moved.factor < 2.5 and compiles == [moved.factor]
+    _feed(c, required, chunk_scale=0.01, noise=0.01, seed=1, slower=0.2)
+    pilot.observe_interval(moved.factor, 5, 0, 5 * (0.2 + 0.05 * moved.factor + 0.2),
+                           steps_left=1)
+    back = pilot.switch(40)
+    assert back is not None and back.factor == 2.5 == c.factor
+    assert compiles == [moved.factor]  # no second compile
   finally:
     cache.close()
