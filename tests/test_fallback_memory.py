@@ -24,10 +24,11 @@ FALLBACKS = ["fallback_scan", "fallback_adaptive"]
 VARIANTS = ("worst_case", "capped", "fallback_unrolled", *FALLBACKS)
 
 
-def _one_core() -> None:
-  """Runs the child on one core: libtpu's compiler threads then use 14% less CPU (at 1.5x the
-  wall time), and the suite, which keeps both cores busy, is bound by CPU (docs/testing.md)."""
-  os.sched_setaffinity(0, {max(os.sched_getaffinity(0))})
+# The TPU compiles run on one core: libtpu's compiler threads then use 14% less CPU (at 1.5x
+# the wall time), and the suite, which keeps both cores busy, is bound by CPU
+# (docs/testing.md). The child pins itself (a preexec_fn could deadlock a threaded parent).
+_ONE_CORE = ("import os, runpy; os.sched_setaffinity(0, {max(os.sched_getaffinity(0))}); "
+             "runpy.run_module('benchmarks.fallback_memory', run_name='__main__')")
 
 
 @functools.lru_cache(maxsize=None)
@@ -39,11 +40,11 @@ def _mib(platform: str) -> dict:
     require_libtpu()
   flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
            if not f.startswith("--xla_cpu_use_fusion_emitters")]
+  run = ["-c", _ONE_CORE] if platform == "tpu" else ["-m", "benchmarks.fallback_memory"]
   done = subprocess.run(
-      [sys.executable, "-m", "benchmarks.fallback_memory", f"--platforms={platform}",
-       "--layers=0", f"--variants={','.join(VARIANTS)}"], cwd=ROOT, capture_output=True,
-      text=True, env=dict(os.environ, XLA_FLAGS=" ".join(flags)), check=False,
-      preexec_fn=_one_core if platform == "tpu" else None)
+      [sys.executable, *run, f"--platforms={platform}", "--layers=0",
+       f"--variants={','.join(VARIANTS)}"], cwd=ROOT, capture_output=True, text=True,
+      env=dict(os.environ, XLA_FLAGS=" ".join(flags)), check=False)
   assert done.returncode == 0, done.stderr[-3000:]
   report, _ = json.JSONDecoder().raw_decode(done.stdout)
   (row,) = report["rows"]
