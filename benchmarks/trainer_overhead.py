@@ -1,4 +1,5 @@
-"""The launcher's throughput with the MoE telemetry on vs off (`config.moe_metrics`).
+"""The launcher's throughput with the MoE telemetry on vs off (`config.moe_metrics`, the
+layers' fallback events and `config.traffic.record` together).
 
   python -m benchmarks.trainer_overhead [--rounds=5 --warmup_steps=20 --steps=60]
 
@@ -37,7 +38,9 @@ def interval_rates(workdir: str) -> dict[int, float]:
 
 def steps_per_second(moe_metrics: bool, warmup: int, steps: int) -> float:
   c = default.get_config()
-  c.moe_metrics = c.moe.emit_fallback_events = moe_metrics  # off: no callbacks either
+  # Off: no callbacks and no traffic files either; on: the default job's telemetry (tags,
+  # histograms, the expert-load image, alerts, the traffic recording).
+  c.moe_metrics = c.moe.emit_fallback_events = c.traffic.record = moe_metrics
   # The window [warmup, warmup + steps) starts and ends at fetches; eval and checkpoints
   # (and the final fetch) come after it.
   c.train_steps = warmup + steps + c.log_every
