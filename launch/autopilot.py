@@ -387,7 +387,7 @@ class Autopilot:
   def _propose(self, price: bool, steps_left: int | None = None) -> None:
     if self._decision is None:
       decision = self.controller.propose(steps_left, self.compile_seconds, price=price,
-                                         compiled=self.cache.ready_factors() if price else ())
+                                         compiled=self.cache.ready_factors())
       if decision is not None and self.cache.request(decision.factor):
         self._decision = decision
 
