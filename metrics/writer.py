@@ -1,7 +1,9 @@
 """CLU metric writers for the MoE tags (TensorBoard event files), flushed on exit and SIGTERM.
 
+A step's scalars and histograms are held until the next flush, then written as one summary
+per step (`metrics.step_summaries`: one TensorFlow op a step instead of one a tag).
 Asynchronous by default: writes run, in order, on one background thread, so that a training
-loop never waits for TensorFlow's summary ops; `flush(wait=False)` queues a flush and returns.
+loop never waits for TensorFlow; `flush(wait=False)` queues a flush and returns.
 
 Tags (docs/metrics.md; `<i>` is the 0-based ordinal among MoE layers):
   learning/moe_dropless_fallback_layers       MoE layers whose dropless fallback ran this step
@@ -28,6 +30,7 @@ from __future__ import annotations
 import atexit
 import collections
 import concurrent.futures
+import dataclasses
 import signal
 import threading
 from typing import Any, Callable, Mapping
@@ -35,11 +38,9 @@ from typing import Any, Callable, Mapping
 import jax
 import numpy as np
 from clu import metric_writers
-from tensorboard.plugins.histogram import metadata as histogram_metadata
-from tensorboard.plugins.histogram import summary as histogram_summary
-from tensorboard.util import tensor_util
 
 from metrics.aggregator import StepMetrics
+from metrics.step_summaries import StepSummaryWriter, step_summary
 
 FALLBACK_LAYERS_TAG = "learning/moe_dropless_fallback_layers"
 FREQUENCY_TAG = "moe/fallback_frequency"
@@ -59,9 +60,6 @@ EXPERT_LOAD_TAG = "moe/expert_load"
 # moe/expert_load: each (layer, expert) cell is a square of this many pixels; its grey level
 # is load / fair share / 2, so black = no rows, mid grey = the fair share, white >= 2x.
 EXPERT_LOAD_CELL_PIXELS = 8
-# What marks a raw `[buckets, 3]` tensor as a histogram for TensorBoard.
-_HISTOGRAM_METADATA = histogram_metadata.create_summary_metadata(display_name=None,
-                                                                 description=None)
 
 
 def step_scalars(m: StepMetrics) -> dict[str, float]:
@@ -85,14 +83,6 @@ def step_scalars(m: StepMetrics) -> dict[str, float]:
   return scalars
 
 
-def histogram_buckets(values: np.ndarray, buckets: int) -> np.ndarray:
-  """`[buckets, 3]` (left edge, right edge, count) of `values` binned over [min, max]: the
-  tensor TensorBoard's histogram summary holds, computed by TensorBoard's numpy version of it
-  (the TensorFlow op costs ~10 ms a call, most of the writer's time)."""
-  proto = histogram_summary.histogram_pb("", np.asarray(values, np.float64), buckets=buckets)
-  return tensor_util.make_ndarray(proto.value[0].tensor)
-
-
 def expert_load_image(tokens_per_expert: np.ndarray) -> np.ndarray:
   """`[H, W, 1]` float image in [0, 1] of `tokens_per_expert [layers, E]` (rows summed over
   an interval): each cell is rows over the layer's fair share (mean per expert), halved and
@@ -104,28 +94,39 @@ def expert_load_image(tokens_per_expert: np.ndarray) -> np.ndarray:
   return pixels[..., None].astype(np.float32)
 
 
-class MoEMetricsWriter:
-  """Writes `StepMetrics` (and any extra scalars) with CLU's default writer.
+@dataclasses.dataclass
+class _StepPoints:
+  """What has been written for one step and not yet handed to the event file."""
+  scalars: dict[str, float] = dataclasses.field(default_factory=dict)
+  histograms: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)  # raw values
 
-  Only process 0 writes event files; other processes only log. With `asynchronous` (the
-  default) every write runs on one background thread, in the order written; a write that
-  failed there raises `RuntimeError` from the next call. `flush(wait=False)` queues a flush
-  without waiting; once more than `max_behind` such flushes are outstanding it waits for the
-  oldest, so the host falls at most that many flushes (log intervals) behind. `close()` (also
-  run at interpreter exit and on SIGTERM once `flush_on_sigterm()` is called) writes and
-  flushes everything written so far.
+
+class MoEMetricsWriter:
+  """Writes `StepMetrics` (and any extra scalars) with CLU's writers: a `LoggingWriter` and,
+  on process 0 only, a `SummaryWriter` (`StepSummaryWriter`) for the event files.
+
+  Steps' scalars and histograms are held until the next `flush()` (or `close()`), then written
+  one summary per step. With `asynchronous` (the default) every write runs on one background
+  thread, in the order written; a write that failed there raises `RuntimeError` from the next
+  call. `flush(wait=False)` queues a flush without waiting; once more than `max_behind` such
+  flushes are outstanding it waits for the oldest, so the host falls at most that many flushes
+  (log intervals) behind. `close()` (also run at interpreter exit and on SIGTERM once
+  `flush_on_sigterm()` is called) writes and flushes everything written so far.
   """
 
   def __init__(self, workdir: str, *, asynchronous: bool = True, histogram_buckets: int = 32,
                max_behind: int = 2):
-    self._writer = metric_writers.create_default_writer(
-        workdir, just_logging=jax.process_index() > 0, asynchronous=False)
+    self._log = metric_writers.LoggingWriter()
+    self._events = StepSummaryWriter(workdir) if jax.process_index() == 0 else None
+    self._writer = metric_writers.MultiWriter(
+        [self._log] + ([self._events] if self._events is not None else []))
     self._pool = (concurrent.futures.ThreadPoolExecutor(
         max_workers=1, thread_name_prefix="moe-metrics-writer") if asynchronous else None)
     self._flushes: collections.deque[concurrent.futures.Future] = collections.deque()
     self._max_behind = max_behind
     self._error: BaseException | None = None
     self._buckets = histogram_buckets
+    self._points: dict[int, _StepPoints] = {}  # step -> points not yet handed to the thread
     self._closed = False
     self._lock = threading.Lock()
     atexit.register(self.close)
@@ -151,26 +152,39 @@ class MoEMetricsWriter:
     if future.exception() is not None and self._error is None:
       self._error = future.exception()
 
+  def _step(self, step: int) -> _StepPoints:
+    return self._points.setdefault(step, _StepPoints())
+
+  def _hand_over_points(self) -> None:
+    """Queues the held steps' points: per step, one log line and one summary."""
+    if not self._points:
+      return
+    points, self._points = self._points, {}
+
+    def write():
+      for step in sorted(points):
+        p = points[step]
+        if p.scalars:
+          self._log.write_scalars(step, p.scalars)
+        if self._events is not None:
+          self._events.write_step_summary(step, step_summary(p.scalars, p.histograms,
+                                                             self._buckets))
+    self._run(write)
+
   def write_hparams(self, hparams: Mapping[str, Any]) -> None:
     hparams = dict(hparams)
     self._run(lambda: self._writer.write_hparams(hparams))
 
   def write_step(self, m: StepMetrics, dropless_steps: int | None = None,
                  extra: Mapping[str, float] | None = None) -> None:
-    extra = dict(extra or {})
-
-    def write():
-      scalars = step_scalars(m)
-      if dropless_steps is not None:
-        scalars[DROPLESS_STEPS_TAG] = dropless_steps
-      scalars.update(extra)
-      self._writer.write_scalars(m.step, scalars)
-      histograms = {f"{TOKENS_PER_EXPERT_TAG}/layer_{layer}":
-                    histogram_buckets(record.tokens_per_expert, self._buckets)
-                    for layer, record in m.layers.items()}
-      self._writer.write_summaries(m.step, histograms,
-                                   metadata=dict.fromkeys(histograms, _HISTOGRAM_METADATA))
-    self._run(write)
+    scalars = step_scalars(m)
+    if dropless_steps is not None:
+      scalars[DROPLESS_STEPS_TAG] = dropless_steps
+    scalars.update(extra or {})
+    points = self._step(m.step)
+    points.scalars.update(scalars)
+    points.histograms.update({f"{TOKENS_PER_EXPERT_TAG}/layer_{layer}": record.tokens_per_expert
+                              for layer, record in m.layers.items()})
 
   def write_expert_load(self, step: int, tokens_per_expert: np.ndarray) -> None:
     """The `moe/expert_load` image of `tokens_per_expert [layers, E]` (an interval's rows)."""
@@ -179,12 +193,12 @@ class MoEMetricsWriter:
                                                        expert_load_image(load)[None]}))
 
   def write_scalars(self, step: int, scalars: Mapping[str, float]) -> None:
-    scalars = dict(scalars)
-    self._run(lambda: self._writer.write_scalars(step, scalars))
+    self._step(step).scalars.update(scalars)
 
   def flush(self, wait: bool = True) -> None:
     """Writes out everything written so far; `wait=False` queues that and returns (waiting
     only while more than `max_behind` queued flushes are outstanding)."""
+    self._hand_over_points()
     future = self._run(self._writer.flush)
     if future is None:
       return
@@ -199,6 +213,8 @@ class MoEMetricsWriter:
         return
       self._closed = True
     try:
+      if self._error is None:
+        self._hand_over_points()
       if self._pool is not None:
         self._pool.shutdown(wait=True)
     finally:
