@@ -390,12 +390,30 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
         checkpoints.save(step, state, data.get_state(), moe_metrics.aggregator.state_dict(),
                          {} if pilot is None else pilot.state_dict())
 
+      def stop_if_nonfinite(fetched: int, step: int) -> None:
+        """After a fetch through step `fetched`, with steps up to `step` dispatched: once too
+        many steps in a row were skipped, fetches the rest and stops the run with a
+        checkpoint at `step + 1`."""
+        skipped = totals.consecutive_skipped
+        if not (config.skip_nonfinite_steps and skipped >= config.max_consecutive_nonfinite):
+          return
+        reporter.flush(pending)
+        save(step + 1)
+        checkpoints.wait()
+        raise UserError(
+            f"{skipped} steps in a row up to step {fetched} had a non-finite loss or gradient "
+            f"norm (config.max_consecutive_nonfinite={config.max_consecutive_nonfinite}); "
+            f"they changed nothing, and the state is checkpointed at step {step + 1}: check "
+            "the data and the learning rate, then rerun to resume.")
+
       pending: list[_Pending] = []
+      # An interval fetched at a plain log boundary waits until the next step is dispatched,
+      # so the device computes that step while the host writes the interval's points.
+      deferred: list[_Pending] = []
       for step in range(first, config.train_steps):
         switched = None if pilot is None else pilot.switch(step)
         if switched is not None:
           run, factor = switched.step, switched.factor
-          reporter.disturbed()
         batch = _place_batch(data.train_batch(step), steps, batch_rows)
         if step == first:
           console.line("compiling the train step (it runs once compiled) ...")
@@ -407,32 +425,31 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
           console.line(f"first step: {compile_seconds:.1f} s (compilation included)")
           if pilot is not None:
             pilot.compile_seconds = max(pilot.compile_seconds, compile_seconds)
+        fetched = deferred[-1].step if deferred else None
+        reporter.flush(deferred)
+        if switched is not None:
+          reporter.disturbed()
         pending.append(_Pending(step, out, factor))
+        if fetched is not None:
+          stop_if_nonfinite(fetched, step)
         done = step + 1 == config.train_steps
         evaluate = (step + 1) % config.eval_every == 0 or done
-        boundary = (evaluate or checkpoints.should_save(step + 1) or
-                    (step + 1) % config.log_every == 0)
+        saving = checkpoints.should_save(step + 1)
+        boundary = evaluate or saving or (step + 1) % config.log_every == 0
         stopping = (stop_after is not None and step + 1 >= stop_after) or (
             preemption.should_stop() if boundary or jax.process_count() == 1 else False)
-        if boundary or stopping:
+        if boundary and not (evaluate or saving or stopping):
+          deferred, pending = pending, []
+        elif boundary or stopping:
           reporter.flush(pending)
-          if (config.skip_nonfinite_steps and
-              totals.consecutive_skipped >= config.max_consecutive_nonfinite):
-            save(step + 1)
-            checkpoints.wait()
-            raise UserError(
-                f"{totals.consecutive_skipped} steps in a row up to step {step} had a non-finite "
-                f"loss or gradient norm (config.max_consecutive_nonfinite="
-                f"{config.max_consecutive_nonfinite}); they changed nothing, and the state is "
-                f"checkpointed at step {step + 1}: check the data and the learning rate, then "
-                "rerun to resume.")
+          stop_if_nonfinite(step, step)
         if evaluate:
           totals.eval_loss = float(np.mean([
               steps.eval_loss(state.params, _place_batch(data.eval_batch(i), steps, batch_rows))
               for i in range(config.eval_batches)]))
           writer.write_scalars(step, {"eval/loss": totals.eval_loss})
           reporter.disturbed()
-        if checkpoints.should_save(step + 1) or stopping or done:
+        if saving or stopping or done:
           save(step + 1)
           reporter.disturbed()
         if stopping:

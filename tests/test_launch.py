@@ -155,6 +155,36 @@ def test_overflowing_run_trains_logs_alerts_records_and_checkpoints(baseline):
   assert at_run["overflowing_layers_mean"] == pytest.approx(np.mean(fallbacks))
 
 
+def test_an_interval_is_written_while_the_next_step_runs(baseline, tmp_path, monkeypatch):
+  """At a log boundary with no eval or checkpoint, the interval's outputs are fetched and
+  written once the next step is dispatched (the device is not idle while the host writes);
+  before an eval, a checkpoint and at the end, at once. Every step is still written, with
+  the baseline's losses."""
+  dispatched, fetches = [0], []
+  def counted(config, mesh):
+    steps = _STEPS(config, mesh)
+    def train(state, batch):
+      dispatched[0] += 1
+      return steps.train(state, batch)
+    return steps._replace(train=train)
+  flush = trainer._Reporter.flush
+  def recorded(self, pending):
+    if pending:
+      fetches.append(([p.step for p in pending], dispatched[0]))
+    flush(self, pending)
+  monkeypatch.setattr(trainer, "make_steps", counted)
+  monkeypatch.setattr(trainer._Reporter, "flush", recorded)
+  # log_every=2; a checkpoint after step 0 (the first), eval and checkpoint after steps 3
+  # and 7 (tiny config: every 4): (steps fetched, steps dispatched by then).
+  losses = trainer.train_and_evaluate(run_config(log_every=2), str(tmp_path))
+  assert fetches == [([0], 1), ([1], 3), ([2, 3], 4), ([4, 5], 7), ([6, 7], 8)]
+  np.testing.assert_allclose(losses, baseline.losses, rtol=1e-6)
+  scalars = read_scalars(str(tmp_path))
+  for tag in ("train/loss", "moe/fallback_chunks/layer_0", "moe/ragged_buffer_factor"):
+    assert sorted(scalars[tag]) == list(range(8)), tag
+  assert sorted(scalars["train/tokens_per_second"]) == [0, 1, 3, 5, 7]  # one per fetch
+
+
 def _text_corpus(directory) -> str:
   """A few standard-library sources copied as text files; returns their glob."""
   os.makedirs(directory)
@@ -549,10 +579,18 @@ def test_failed_checkpoint_write_stops_in_one_line_and_keeps_the_previous(baseli
 
 
 @pytest.mark.slow
-def test_nonfinite_router_input_is_counted_skipped_and_stops_the_run(tmp_path, monkeypatch):
+@pytest.mark.parametrize("log_every,message", [
+    # Fetched at the checkpoint and eval after step 3: the fourth skipped step stops the run.
+    (10, r"4 steps in a row up to step 3"),
+    # Each step fetched once the next one is dispatched: the third skipped step (step 2) stops
+    # the run with step 3 dispatched, which is fetched, written and checkpointed too.
+    (1, r"3 steps in a row up to step 2")])
+def test_nonfinite_router_input_is_counted_skipped_and_stops_the_run(tmp_path, monkeypatch,
+                                                                     log_every, message):
   """A NaN embedding row makes the tokens after that byte NaN in every MoE layer: they are
   counted, overflow nothing (no fallback), every step is skipped (params unchanged, alerted)
-  and after max_consecutive_nonfinite=3 such steps the run stops with a checkpoint."""
+  and after max_consecutive_nonfinite=3 such steps the run stops with a checkpoint, every
+  step it ran written."""
   def poisoned(config, mesh):
     steps = _STEPS(config, mesh)
     def init(rng):
@@ -562,11 +600,10 @@ def test_nonfinite_router_input_is_counted_skipped_and_stops_the_run(tmp_path, m
       return state._replace(params={**state.params, scope: {"embeddings": table}})
     return steps._replace(init=jax.jit(init, out_shardings=steps.state_sharding))
   monkeypatch.setattr(trainer, "make_steps", poisoned)
-  c = run_config(max_consecutive_nonfinite=3)
-  with pytest.raises(UserError, match=r"4 steps in a row up to step 3 had a non-finite loss or "
-                                      r"gradient norm \(config.max_consecutive_nonfinite=3\); "
-                                      r"they changed nothing, and the state is checkpointed at "
-                                      r"step 4"):
+  c = run_config(max_consecutive_nonfinite=3, log_every=log_every)
+  with pytest.raises(UserError, match=message + r" had a non-finite loss or gradient norm "
+                                      r"\(config.max_consecutive_nonfinite=3\); they changed "
+                                      r"nothing, and the state is checkpointed at step 4"):
     trainer.train_and_evaluate(c, str(tmp_path))
   scalars = read_scalars(str(tmp_path))
   assert [scalars["train/skipped_steps"][s] for s in range(4)] == [1, 2, 3, 4]
