@@ -10,14 +10,17 @@ Candidates are the multiples of `rung` up to the worst case. Two objectives:
 * `'throughput'` (the default): the timed fetch intervals (`observe_interval`) fit
   `launch.step_time`'s model, which predicts seconds per step at every candidate (the capped
   step, plus the overflowing layers x the fallback's chunks x a chunk's time). Once a full
-  `window` has passed since the last change, move to the fastest candidate whose predicted
-  fallback frequency is at most `max_frequency`, when it promises at least `min_gain` of the
-  step and more than twice the prediction's standard error, and its compile pays for itself
-  within the steps left (a factor already compiled costs none, so a move that measures
+  `window` has passed since the last change, move among the candidates whose predicted
+  fallback frequency is at most `max_frequency` and that promise at least `min_gain` of the
+  step and more than twice the prediction's standard error, and whose compile pays for
+  itself within the steps left, to the one that saves the most time over the steps left,
+  its compile included (a factor compiled or compiling costs none, so a move that measures
   slower than predicted is undone for free once the new factor's intervals correct the
-  model). The guard: when the fallback ran on more than `max_frequency` of the last
-  `window // 4` steps, raise at once to the smallest candidate whose predicted frequency is
-  at most `max_frequency`.
+  model). While the window fills, the move the intervals already favour compiles ahead in
+  the background (once per change), so that it costs no compile when the window allows it.
+  The guard: when the fallback ran on more than `max_frequency` of the last `window // 4`
+  steps, raise at once to the smallest candidate whose predicted frequency is at most
+  `max_frequency`.
 * `'fallback_frequency'`: lower, once a full window has passed since the last change, to the
   smallest candidate whose predicted frequency is at most `target`; raise at once, when the
   fallback ran on more than twice the target of the last `window // 4` steps, to the smallest
@@ -210,27 +213,55 @@ class FactorController:
       return None
     return self._faster(evidence, steps_left, compile_seconds, compiled) if price else None
 
-  def _faster(self, evidence: dict, steps_left: int | None, compile_seconds: float,
-              compiled: Collection[float]) -> Decision | None:
-    """The throughput objective's move after a full window (module docstring)."""
+  def _best_move(self, steps_left: int | None, compile_seconds: float,
+                 compiled: Collection[float]):
+    """The throughput objective's best candidate, as (factor, its price, the price in force,
+    the compile it costs), or None to stay. A candidate qualifies when it promises at least
+    `min_gain` of the step and more than twice the prediction's standard error, and its
+    compile (none for the factors in `compiled`) pays back within `steps_left`; among those,
+    the one that saves the most seconds over the steps left, compile included (so a program
+    that exists beats a marginally faster one that would need compiling)."""
     prices = self.prices()
     if self.factor not in prices:
       return None
     now = prices[self.factor]
-    best = min(prices, key=lambda f: prices[f].seconds)
-    gain = now.seconds - prices[best].seconds
-    noise = 2 * math.hypot(now.se, prices[best].se)
-    if best == self.factor or not gain > max(self.min_gain * now.seconds, noise):
+    horizon = math.inf if steps_left is None else steps_left
+    best, best_saving = None, 0.0
+    for f, estimate in prices.items():
+      gain = now.seconds - estimate.seconds
+      if f == self.factor or not gain > max(self.min_gain * now.seconds,
+                                            2 * math.hypot(now.se, estimate.se)):
+        continue
+      cost = 0.0 if any(math.isclose(f, c) for c in compiled) else compile_seconds
+      if cost / gain >= horizon:
+        continue
+      saving = gain if steps_left is None else gain * steps_left - cost
+      if best is None or saving > best_saving:
+        best, best_saving = (f, estimate, now, cost), saving
+    return best
+
+  def _faster(self, evidence: dict, steps_left: int | None, compile_seconds: float,
+              compiled: Collection[float]) -> Decision | None:
+    """The throughput objective's move after a full window (module docstring)."""
+    move = self._best_move(steps_left, compile_seconds, compiled)
+    if move is None:
       return None
-    cost = 0.0 if any(math.isclose(best, f) for f in compiled) else compile_seconds
-    payback = cost / gain
-    if steps_left is not None and payback >= steps_left:
+    factor, new, now, cost = move
+    return Decision(factor, "faster", {
+        **evidence, "predicted_frequency": self.predicted_frequency(factor),
+        "predicted_step_seconds": {"old": now.seconds, "new": new.seconds},
+        "predicted_step_seconds_se": {"old": now.se, "new": new.se},
+        "payback_steps": cost / (now.seconds - new.seconds)})
+
+  def prospect(self, steps_left: int | None = None, compile_seconds: float = 0.0,
+               compiled: Collection[float] = ()) -> float | None:
+    """Under the throughput objective, while a window fills after a change: the factor the
+    controller would move to if the window were full (None: none), so that its program can
+    compile ahead and the move, once the window allows it, costs no compile."""
+    if self.objective != "throughput" or self._since_change >= self.window:
       return None
-    return Decision(best, "faster", {
-        **evidence, "predicted_frequency": self.predicted_frequency(best),
-        "predicted_step_seconds": {"old": now.seconds, "new": prices[best].seconds},
-        "predicted_step_seconds_se": {"old": now.se, "new": prices[best].se},
-        "payback_steps": payback})
+    move = self._best_move(steps_left, compile_seconds, compiled)
+    return None if move is None else move[0]
 
   def switched(self, factor: float) -> None:
     """The trainer now runs `factor`."""
@@ -306,10 +337,11 @@ class ProgramCache:
     self._futures[factor] = self._pool.submit(self._compile, factor)
     return True
 
-  def ready_factors(self) -> set[float]:
-    """The factors whose programs are compiled (taking one again costs no compile)."""
+  def known_factors(self) -> set[float]:
+    """The factors whose programs are compiled or compiling (taking one costs no further
+    compile: the cost is sunk)."""
     return {f for f, future in self._futures.items()
-            if future.done() and not future.cancelled() and future.exception() is None}
+            if not future.done() or (not future.cancelled() and future.exception() is None)}
 
   def busy(self) -> bool:
     """Whether a background compile is under way."""
@@ -354,6 +386,7 @@ class Autopilot:
     self.on_change = on_change
     self.wait = wait
     self._decision: Decision | None = None
+    self._ahead: float | None = None  # the factor compiled ahead since the last change
     # What a new program costs, for the throughput objective's payback: the longest compile
     # seen (the trainer sets the first step's).
     self.compile_seconds = 0.0
@@ -385,11 +418,19 @@ class Autopilot:
     self._propose(price=True, steps_left=steps_left)
 
   def _propose(self, price: bool, steps_left: int | None = None) -> None:
-    if self._decision is None:
-      decision = self.controller.propose(steps_left, self.compile_seconds, price=price,
-                                         compiled=self.cache.ready_factors())
-      if decision is not None and self.cache.request(decision.factor):
+    if self._decision is not None:
+      return
+    known = self.cache.known_factors()
+    decision = self.controller.propose(steps_left, self.compile_seconds, price=price,
+                                       compiled=known)
+    if decision is not None:
+      if self.cache.request(decision.factor):
         self._decision = decision
+    elif price and self._ahead is None and not self.cache.busy():
+      # While the window fills: compile the likely move ahead, once per change.
+      ahead = self.controller.prospect(steps_left, self.compile_seconds, known)
+      if ahead is not None and self.cache.request(ahead):
+        self._ahead = ahead
 
   def switch(self, step: int) -> Program | None:
     decision = self._decision
@@ -406,6 +447,7 @@ class Autopilot:
       return None
     old = self.controller.factor
     self.controller.switched(decision.factor)
+    self._ahead = None
     evidence = {**decision.evidence, "memory_bytes_per_device": program.memory_bytes}
     self.on_change(step, old, decision.factor, decision._replace(evidence=evidence))
     return program

@@ -163,6 +163,14 @@ def test_throughput_moves_to_the_fastest_factor_within_the_guard():
   assert c.propose(steps_left=int(30.0 / (old - new)), compile_seconds=30.0) is None
   again = c.propose(steps_left=int(30.0 / (old - new)), compile_seconds=30.0, compiled={best})
   assert again.factor == best and again.evidence["payback_steps"] == 0.0
+  # A compiled program beats a faster one whose extra gain over the steps left does not pay
+  # for its compile.
+  second = sorted(prices, key=lambda f: prices[f].seconds)[1]
+  extra = prices[second].seconds - prices[best].seconds
+  steps_left = int(30.0 / extra) - 1
+  assert 30.0 / (old - new) < steps_left  # the best alone would pay back
+  assert c.propose(steps_left, compile_seconds=30.0).factor == best
+  assert c.propose(steps_left, compile_seconds=30.0, compiled={second}).factor == second
 
 
 def test_throughput_does_not_act_on_noise_small_gains_or_before_a_window():
@@ -265,5 +273,38 @@ def test_a_move_that_measured_slower_is_undone_without_a_compile():
     back = pilot.switch(40)
     assert back is not None and back.factor == 2.5 == c.factor
     assert compiles == [moved.factor]  # no second compile
+  finally:
+    cache.close()
+
+
+def test_the_likely_move_compiles_while_the_window_fills_and_then_costs_no_compile():
+  """Half a window in, the timed intervals already price a faster factor: its program
+  compiles ahead (no move yet: the window is not full). Once it is, the autopilot moves to
+  that factor, charged no compile, and compiles nothing more."""
+  required = _required(high=2.0)  # the window's first half needs the most
+  compiles = []
+  def compile_fn(factor):
+    compiles.append(factor)
+    return autopilot.Program(factor, f"step {factor}", None)
+  cache = autopilot.ProgramCache(compile_fn, budget_bytes=None, max_programs=8)
+  cache.add(autopilot.Program(3.0, "step 3.0", None))
+  c = _throughput(3.0)
+  pilot = autopilot.Autopilot(c, cache, wait=True, on_change=lambda *a: None)
+  pilot.compile_seconds = 30.0
+  timed = lambda: pilot.observe_interval(3.0, 5, 0, 5 * (0.2 + 0.05 * 3.0), steps_left=1000)
+  try:
+    _feed(c, required[:10], chunk_scale=0.01)
+    timed()
+    cache.wait(c.prospect(1000, 30.0))
+    [ahead] = compiles
+    assert ahead < 3.0 and pilot.switch(10) is None and c.factor == 3.0
+    timed()  # still half a window: nothing more compiles
+    assert compiles == [ahead]
+    for r in required[10:]:
+      pilot.observe(Stats(r, r > 3.0))
+    timed()
+    moved = pilot.switch(20)
+    assert moved is not None and moved.factor == ahead == c.factor
+    assert compiles == [ahead]
   finally:
     cache.close()
