@@ -117,16 +117,20 @@ def price(traffic: Traffic, results: list[dict]) -> bool:
   shape, timings = traffic.shape, traffic.timings
   if shape is None or timings is None or not len(timings.seconds):
     return False
-  model = step_time.StepTimeModel(timings, step_time.StepFlops(
-      shape.flops_fixed, shape.flops_per_factor, moe_layers=traffic.counts.shape[1]))
   shards, experts = traffic.expert_shards, traffic.counts.shape[-1]
+  # The model prices a factor by its buffer's size: the worst case (-1) as its factor.
+  worst = dispatch_plan.worst_case_factor(experts, traffic.k, shards)
+  size = lambda factor: np.where(np.asarray(factor) > 0, factor, worst)
+  model = step_time.StepTimeModel(timings._replace(factors=size(timings.factors)),
+                                  step_time.StepFlops(shape.flops_fixed, shape.flops_per_factor,
+                                                      moe_layers=traffic.counts.shape[1]))
 
   def seconds(r: dict) -> step_time.Estimate:
     chunks = step_time.fallback_chunks(
         r["factor"], tokens_per_device=traffic.tokens_per_device, seq_len=shape.seq_len,
         k=traffic.k, shards=shards, local_experts=experts // shards,
         requested=shape.requested_chunks)
-    return model.step(r["factor"], r["overflowing_layers_mean"] * chunks)
+    return model.step(float(size(r["factor"])), r["overflowing_layers_mean"] * chunks)
 
   run = float(traffic.factors[-1])
   at_run = next((r for r in results if r["factor"] == run), None) or plan(traffic, [run])[0]

@@ -138,6 +138,23 @@ def test_planner_prices_factors_within_their_errors_and_picks_the_fastest_that_f
   assert capacity.pick(results, 1) is None
 
 
+def test_a_run_at_the_worst_case_is_priced_at_its_factor(timed_run):
+  """A run at factor -1 (the worst-case buffer; 4 here) prices every factor as the same
+  timings recorded at 4 would: the model sizes the buffer by the worst case's factor."""
+  _, traffic = timed_run
+  timings = traffic.timings
+  priced = {}
+  for recorded in (-1.0, 4.0):
+    run = traffic._replace(factors=np.full_like(traffic.factors, recorded),
+                           timings=timings._replace(factors=np.full_like(timings.factors,
+                                                                         recorded)))
+    results = capacity.plan(run, [1.5, 3.0, recorded])
+    assert capacity.price(run, results)
+    priced[recorded] = [(r["step_seconds"], r["relative_step_time"]) for r in results]
+  np.testing.assert_allclose(priced[-1.0], priced[4.0], rtol=1e-12)
+  assert priced[-1.0][-1][1] == 1.0 and priced[-1.0][0][0] < priced[-1.0][-1][0]
+
+
 def test_cli_prints_the_prices_and_the_pick(timed_run, capsys):
   from tests.test_capacity import run_main
   workdir, _ = timed_run
