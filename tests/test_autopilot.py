@@ -247,21 +247,28 @@ def test_throughput_under_a_budget_never_runs_a_program_past_it_and_takes_the_fa
     cache.close()
 
 
+def _pilot(controller, compiles: list) -> autopilot.Autopilot:
+  """An autopilot over `controller`, its factor's program compiled, whose compiles cost 30 s
+  (a move waits for its compile) and are recorded in `compiles`."""
+  def compile_fn(factor):
+    compiles.append(factor)
+    return autopilot.Program(factor, f"step {factor}", None)
+  cache = autopilot.ProgramCache(compile_fn, budget_bytes=None, max_programs=8)
+  cache.add(autopilot.Program(controller.factor, f"step {controller.factor}", None))
+  pilot = autopilot.Autopilot(controller, cache, wait=True, on_change=lambda *a: None)
+  pilot.compile_seconds = 30.0
+  return pilot
+
+
 def test_a_move_that_measured_slower_is_undone_without_a_compile():
   """The one-factor prior promises a smaller factor is faster; measured there, every step is
   0.2 s slower. Once the new factor's window is in, the model (now a line through both
   factors) prices the old factor fastest, and its program exists: the autopilot moves back
   with no compile, even with one step left."""
   required = _required(high=2.0)  # factors from 2.0 up fall back on at most half the steps
-  compiles = []
-  def compile_fn(factor):
-    compiles.append(factor)
-    return autopilot.Program(factor, f"step {factor}", None)
-  cache = autopilot.ProgramCache(compile_fn, budget_bytes=None, max_programs=8)
-  cache.add(autopilot.Program(2.5, "step 2.5", None))
   c = _throughput(2.5, worst_case=2.5)
-  pilot = autopilot.Autopilot(c, cache, wait=True, on_change=lambda *a: None)
-  pilot.compile_seconds = 30.0
+  compiles = []
+  pilot = _pilot(c, compiles)
   try:
     _feed(c, required, chunk_scale=0.01, noise=0.01)
     pilot.observe_interval(2.5, 5, 0, 5 * (0.2 + 0.05 * 2.5), steps_left=10_000)
@@ -274,7 +281,7 @@ def test_a_move_that_measured_slower_is_undone_without_a_compile():
     assert back is not None and back.factor == 2.5 == c.factor
     assert compiles == [moved.factor]  # no second compile
   finally:
-    cache.close()
+    pilot.cache.close()
 
 
 def test_the_likely_move_compiles_while_the_window_fills_and_then_costs_no_compile():
@@ -282,20 +289,14 @@ def test_the_likely_move_compiles_while_the_window_fills_and_then_costs_no_compi
   compiles ahead (no move yet: the window is not full). Once it is, the autopilot moves to
   that factor, charged no compile, and compiles nothing more."""
   required = _required(high=2.0)  # the window's first half needs the most
-  compiles = []
-  def compile_fn(factor):
-    compiles.append(factor)
-    return autopilot.Program(factor, f"step {factor}", None)
-  cache = autopilot.ProgramCache(compile_fn, budget_bytes=None, max_programs=8)
-  cache.add(autopilot.Program(3.0, "step 3.0", None))
   c = _throughput(3.0)
-  pilot = autopilot.Autopilot(c, cache, wait=True, on_change=lambda *a: None)
-  pilot.compile_seconds = 30.0
+  compiles = []
+  pilot = _pilot(c, compiles)
   timed = lambda: pilot.observe_interval(3.0, 5, 0, 5 * (0.2 + 0.05 * 3.0), steps_left=1000)
   try:
     _feed(c, required[:10], chunk_scale=0.01)
     timed()
-    cache.wait(c.prospect(1000, 30.0))
+    pilot.cache.wait(c.prospect(1000, 30.0))
     [ahead] = compiles
     assert ahead < 3.0 and pilot.switch(10) is None and c.factor == 3.0
     timed()  # still half a window: nothing more compiles
@@ -307,4 +308,4 @@ def test_the_likely_move_compiles_while_the_window_fills_and_then_costs_no_compi
     assert moved is not None and moved.factor == ahead == c.factor
     assert compiles == [ahead]
   finally:
-    cache.close()
+    pilot.cache.close()
