@@ -225,7 +225,6 @@ class FactorController:
     if self.factor not in prices:
       return None
     now = prices[self.factor]
-    horizon = math.inf if steps_left is None else steps_left
     best, best_saving = None, 0.0
     for f, estimate in prices.items():
       gain = now.seconds - estimate.seconds
@@ -233,7 +232,7 @@ class FactorController:
                                             2 * math.hypot(now.se, estimate.se)):
         continue
       cost = 0.0 if any(math.isclose(f, c) for c in compiled) else compile_seconds
-      if cost / gain >= horizon:
+      if steps_left is not None and cost / gain >= steps_left:
         continue
       saving = gain if steps_left is None else gain * steps_left - cost
       if best is None or saving > best_saving:
