@@ -2,7 +2,7 @@
 
   python -m launch.capacity --workdir=DIR [--factors=1,1.25,1.5,2,3] [--expert_shards=P]
       [--format=table|json] [--aot_config=PATH --compile_topology=TOPO [--aot_config.KEY=V ...]
-      [--memory_budget_gib=G]]
+      [--memory_budget_gib=G]] [--time_config=PATH [--time_config.KEY=V ...]]
 
 For each `ragged_buffer_factor` (default: 1,1.25,1.5,2,3 and the run's own) the capped buffer of
 R rows per receiving shard is replayed on every recorded step and MoE layer (WORKDIR/traffic/,
@@ -19,7 +19,16 @@ R rows per receiving shard is replayed on every recorded step and MoE layer (WOR
                            `launch.step_time`'s model of the run's timed intervals, with the
                            fallback chunks replayed at the factor; with its standard error
   relative_step_time       step_seconds over the run's (newest) factor's
+  capped_step_seconds      (with --time_config) one capped step of that config at the factor,
+                           timed on this machine's devices (`launch.step_timer`): it scales
+                           the run's measured step to the factors the run did not train at,
+                           in place of the matmul FLOPs (which overstate a bigger buffer's cost
+                           where the grouped matmul skips its empty rows)
   pick                     (JSON, when timed) whether this is the factor the planner picks
+
+--time_config is the run's own config (its shapes must be the run's); it compiles and runs
+one program per factor here, so it wants the machine the run trained on, idle, and cannot go
+with --compile_topology (run the two separately).
 
 The pick is the factor with the fewest predicted seconds per step among those whose memory
 fits --memory_budget_gib (when memory is compiled); without timings, none is named.
@@ -67,6 +76,11 @@ _BUDGET = flags.DEFINE_float("memory_budget_gib", 0.0, "With --aot_config: the p
 _AOT_CONFIG = cli.define_config(
     "aot_config", None, "With --compile_topology (a launch.aot topology): also compile this "
     "config's train step per factor and report its memory per device.")
+_TIME_CONFIG = cli.define_config(
+    "time_config", None, "The run's config: time its capped train step per factor on this "
+    "machine's devices, and price the factors from those times.")
+_TIME_STEPS = flags.DEFINE_integer("time_steps", 5, "With --time_config: steps per timed burst.")
+_TIME_ROUNDS = flags.DEFINE_integer("time_rounds", 10, "With --time_config: bursts per factor.")
 
 # [M, P, P] traffic matrices -> [M] rows beyond a buffer of R rows (R traced: one compile).
 _overflow_rows = jax.jit(jax.vmap(dispatch_plan.overflow_rows, in_axes=(0, None)))
@@ -109,11 +123,14 @@ def plan(traffic: Traffic, factors: Sequence[float],
   return results
 
 
-def price(traffic: Traffic, results: list[dict]) -> bool:
+def price(traffic: Traffic, results: list[dict],
+          timed: dict[float, float] | None = None) -> bool:
   """Adds `step_seconds`, `step_seconds_se` and `relative_step_time` to each of `results`
-  (`plan`'s, for the recorded expert-parallel size) from the run's timed intervals; False,
-  changing nothing, when the traffic has no timings or run shape. With adaptive chunking a
-  fallback is priced at its most chunks (`step_time.fallback_chunks`): an upper bound."""
+  (`plan`'s, for the recorded expert-parallel size) from the run's timed intervals, scaled to
+  the other factors by `timed` (`{factor: seconds of a capped step}`, `launch.step_timer`)
+  where it has both factors; False, changing nothing, when the traffic has no timings or run
+  shape. With adaptive chunking a fallback is priced at its most chunks
+  (`step_time.fallback_chunks`): an upper bound."""
   shape, timings = traffic.shape, traffic.timings
   if shape is None or timings is None or not len(timings.seconds):
     return False
@@ -123,7 +140,8 @@ def price(traffic: Traffic, results: list[dict]) -> bool:
   size = lambda factor: np.where(np.asarray(factor) > 0, factor, worst)
   model = step_time.StepTimeModel(timings._replace(factors=size(timings.factors)),
                                   step_time.StepFlops(shape.flops_fixed, shape.flops_per_factor,
-                                                      moe_layers=traffic.counts.shape[1]))
+                                                      moe_layers=traffic.counts.shape[1]),
+                                  {float(size(f)): s for f, s in (timed or {}).items()})
 
   def seconds(r: dict) -> step_time.Estimate:
     chunks = step_time.fallback_chunks(
@@ -173,10 +191,7 @@ def memory_per_factor(config: ml_collections.ConfigDict, topology: str,
   """
   from launch import aot, trainer  # loaded only when asked for, see the top of this file
   devices = aot.topology_devices(topology)
-  experts = traffic.counts.shape[-1]
-  if (config.moe.num_experts, config.moe.num_experts_per_tok) != (experts, traffic.k):
-    raise ValueError(f"--aot_config has {config.moe.num_experts} experts, top-"
-                     f"{config.moe.num_experts_per_tok}; the traffic {experts}, top-{traffic.k}.")
+  check_routing(config, traffic, "aot_config")
   c = config.copy_and_resolve_references()
   fsdp, rest = divmod(len(devices), c.mesh.data * expert_shards)
   if rest:
@@ -189,6 +204,33 @@ def memory_per_factor(config: ml_collections.ConfigDict, topology: str,
     c.moe.ragged_buffer_factor = factor
     memory.append(aot.compile_variant(c, devices, "fallback_scan")["total_bytes"])
   return memory
+
+
+def check_routing(config: ml_collections.ConfigDict, traffic: Traffic, flag: str) -> None:
+  """ValueError unless `config` (--`flag`) routes like the recorded run: experts and top-K."""
+  experts = traffic.counts.shape[-1]
+  if (config.moe.num_experts, config.moe.num_experts_per_tok) != (experts, traffic.k):
+    raise ValueError(f"--{flag} has {config.moe.num_experts} experts, top-"
+                     f"{config.moe.num_experts_per_tok}; the traffic {experts}, top-{traffic.k}.")
+
+
+def capped_times(config: ml_collections.ConfigDict, traffic: Traffic, factors: Sequence[float],
+                 expert_shards: int, steps: int, rounds: int) -> dict[float, float]:
+  """`launch.step_timer`'s seconds of a capped step of `config` (the run's, checked against
+  the traffic) at each of `factors` and the run's newest factor, on this machine's devices."""
+  from launch import step_timer, trainer  # loaded only when asked for: compiles and runs
+  check_routing(config, traffic, "time_config")
+  c = config.copy_and_resolve_references()
+  trainer.validate(c)
+  tokens = c.data.batch_size * c.data.seq_len // jax.device_count()
+  recorded = (traffic.expert_shards, traffic.tokens_per_device, traffic.expert_shards)
+  if (c.mesh.expert, tokens, expert_shards) != recorded:
+    raise ValueError(
+        f"--time_config runs P={c.mesh.expert} expert shards with T={tokens} tokens per "
+        f"device and prices P={expert_shards}; the run recorded P={traffic.expert_shards}, "
+        f"T={traffic.tokens_per_device}: pass the run's config and its expert-parallel size.")
+  return step_timer.capped_step_seconds(c, [*factors, float(traffic.factors[-1])],
+                                        steps=steps, rounds=rounds)
 
 
 def describe(traffic: Traffic, expert_shards: int) -> str:
@@ -211,9 +253,11 @@ def table(results: list[dict], run_factors: set[float]) -> str:
   """`results` as a markdown table, the run's own factors marked."""
   memory = "memory_bytes_per_device" in results[0]
   timed = "step_seconds" in results[0]
+  capped = "capped_step_seconds" in results[0]
   unit, size = memory_unit(results) if memory else (None, None)
   head = (["factor", "buffer rows", "fallback frequency", "overflowing layers (mean)",
            "would drop"] + ([f"memory / device ({unit})"] if memory else []) +
+          (["capped s / step (timed here)"] if capped else []) +
           (["s / step (predicted)", "relative step time"] if timed else []))
   lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
   for r in results:
@@ -222,6 +266,8 @@ def table(results: list[dict], run_factors: set[float]) -> str:
              f"{r['overflowing_layers_mean']:.2f}", f"{r['would_drop_fraction']:.3%}"]
     if memory:
       cells.append(f"{r['memory_bytes_per_device'] / size:.2f}")
+    if capped:
+      cells.append(f"{r['capped_step_seconds']:.4f}")
     if timed:
       cells += [f"{r['step_seconds']:.4f} ± {r['step_seconds_se']:.4f}",
                 f"{r['relative_step_time']:.3f}"]
@@ -302,10 +348,21 @@ def main(argv):
     raise app.UsageError("--aot_config and --compile_topology go together (e.g. "
                          "--aot_config=launch/configs/tiny.py --compile_topology=cpu:8).",
                          exitcode=cli.FLAG_MISUSE)
+  timing = _TIME_CONFIG.value
+  if timing is not None and topology:
+    raise app.UsageError("--time_config times on this machine's devices and "
+                         "--compile_topology compiles for another: run them separately.",
+                         exitcode=cli.FLAG_MISUSE)
+  if min(_TIME_STEPS.value, _TIME_ROUNDS.value) < 1:
+    raise app.UsageError(f"--time_steps={_TIME_STEPS.value} and --time_rounds="
+                         f"{_TIME_ROUNDS.value} must be >= 1.", exitcode=cli.FLAG_MISUSE)
   try:
-    # The CPU only: the replay needs no accelerator (a run may hold it), a compile is
-    # launch.aot's, for a topology, from the CPU.
-    platform.setup(_cpu_devices(topology), cpu_only=True)
+    # The replay needs no accelerator (a run may hold it) and a compile is launch.aot's, for a
+    # topology, from the CPU: both take the CPU. Timing takes the run's own devices.
+    if timing is None:
+      platform.setup(_cpu_devices(topology), cpu_only=True)
+    else:
+      platform.setup(timing.cpu_devices)
     traffic = read_traffic(_WORKDIR.value)
     factors = factor_list(_FACTORS.value, traffic)
     results = plan(traffic, factors, _EXPERT_SHARDS.value)
@@ -314,10 +371,14 @@ def main(argv):
       memory = memory_per_factor(_AOT_CONFIG.value, topology, factors, shards, traffic)
       for r, m in zip(results, memory):
         r["memory_bytes_per_device"] = m
+    timed = None if timing is None else capped_times(timing, traffic, factors, shards,
+                                                     _TIME_STEPS.value, _TIME_ROUNDS.value)
   except ValueError as e:
     raise app.UsageError(str(e)) from None
+  for r in results if timed else ():
+    r["capped_step_seconds"] = timed[r["factor"]]
   # The timings are the recorded run's: they price its own expert-parallel size only.
-  priced = shards == traffic.expert_shards and price(traffic, results)
+  priced = shards == traffic.expert_shards and price(traffic, results, timed)
   budget = int(_BUDGET.value * GIB) if _BUDGET.value else None
   chosen = pick(results, budget) if priced else None
   run_factors = set(traffic.factors.tolist()) & set(factors)

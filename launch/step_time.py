@@ -11,10 +11,13 @@ fallback. Both are fitted per measured factor by least squares (`fit_factor`), w
 errors from the residuals. To price a factor that has not run (`StepTimeModel`):
 
 * `capped(f)`: with two or more measured factors, a line in f through their fits (weighted by
-  their errors); with one, the measured time scaled by the step's matmul FLOPs at f over those
-  at the measured factor. FLOPs: `StepFlops.fixed + f * StepFlops.per_factor` (`step_flops`):
-  the expert matmuls run over the receive buffer, whose rows are f x balanced, the rest does
-  not depend on f.
+  their errors); with one, the measured time scaled by the capped steps timed at f and at the
+  measured factor (`timed`: `launch.step_timer` on this machine), or, for a factor not timed,
+  by the step's matmul FLOPs at f over those at the measured factor. FLOPs:
+  `StepFlops.fixed + f * StepFlops.per_factor` (`step_flops`): the expert matmuls over the
+  receive buffer, whose rows are f x balanced; the rest does not depend on f. The FLOPs
+  overstate a bigger buffer's cost where the grouped matmul skips its empty rows (measured on
+  this CPU: +30% a unit of factor against +5%).
 * `chunk(f)`: a chunk runs one MoE layer's experts over a buffer of R(f) rows, so its time is
   proportional to f: the measured chunk times over their factors, averaged, times f. Where no
   interval separates the chunk's time from the step's (no fallback ran, or the fallback ran
@@ -28,7 +31,7 @@ window), times `fallback_chunks(f)`.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Sequence
+from typing import Mapping, NamedTuple, Sequence
 
 import haiku as hk
 import ml_collections
@@ -121,8 +124,10 @@ def fit_factor(timings: Timings, factor: float, chunk_prior: float) -> FactorFit
 class StepTimeModel:
   """Predicted seconds per step at any buffer factor (module docstring)."""
 
-  def __init__(self, timings: Timings, flops: StepFlops):
+  def __init__(self, timings: Timings, flops: StepFlops,
+               timed: Mapping[float, float] | None = None):
     self.flops = flops
+    self.timed = dict(timed or {})  # factor -> seconds of a capped step, timed apart
     self.fits = [fit for f in sorted(set(np.asarray(timings.factors).tolist()))
                  if (fit := fit_factor(timings, f, self._chunk_prior(f))) is not None]
     if not self.fits:
@@ -139,8 +144,16 @@ class StepTimeModel:
     if len(points) >= 2:
       return _line(points, factor)
     (measured, estimate), = points.items()
-    scale = self.flops.at(factor) / self.flops.at(measured)
+    scale = self._scale(factor, measured)
     return Estimate(estimate.seconds * scale, estimate.se * scale)
+
+  def _scale(self, factor: float, measured: float) -> float:
+    """A capped step at `factor` over one at `measured`: the timed steps' ratio when both
+    were timed, else the matmul FLOPs'."""
+    timed = lambda f: next((s for t, s in self.timed.items() if math.isclose(t, f)), None)
+    if (at := timed(factor)) is not None and (base := timed(measured)) is not None:
+      return at / base
+    return self.flops.at(factor) / self.flops.at(measured)
 
   def chunk(self, factor: float) -> Estimate:
     per_factor = [(fit.chunk.seconds / fit.factor, fit.chunk.se / fit.factor)

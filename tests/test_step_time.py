@@ -1,6 +1,8 @@
 """`launch.step_time` and the planner's prices (`launch.capacity.price`, `pick`) on intervals
 whose true step and chunk times are known."""
 import json
+import re
+import sys
 
 import numpy as np
 import pytest
@@ -77,6 +79,19 @@ def test_one_measured_factor_scales_by_flops_two_follow_the_line():
   np.testing.assert_allclose(step.seconds, true_capped(2.5) + 1.5 * true_chunk(2.5), rtol=0.01)
   with pytest.raises(ValueError, match="no timed interval"):
     step_time.StepTimeModel(intervals(2.0, []), FLOPS)
+
+
+def test_timed_capped_steps_scale_one_measured_factor_in_place_of_the_flops():
+  """With capped steps timed apart (`launch.step_timer`), a factor the run did not train at
+  is the measured step times their ratio; a factor not timed falls back to the FLOPs."""
+  timed = {2.0: 0.5, 3.0: 0.55, 4.0: 0.6}
+  model = step_time.StepTimeModel(intervals(2.0, [0, 4, 8, 2]), FLOPS, timed)
+  np.testing.assert_allclose(model.capped(2.0).seconds, true_capped(2.0), rtol=1e-9)
+  for factor in (3.0, 4.0):
+    np.testing.assert_allclose(model.capped(factor).seconds,
+                               true_capped(2.0) * timed[factor] / timed[2.0], rtol=1e-9)
+  np.testing.assert_allclose(model.capped(2.5).seconds,
+                             true_capped(2.0) * FLOPS.at(2.5) / FLOPS.at(2.0), rtol=1e-9)
 
 
 SEQ = 4  # TOKENS = 16 per device: 4 sequences of 4
@@ -171,3 +186,44 @@ def test_cli_prints_the_prices_and_the_pick(timed_run, capsys):
   run_main(f"--workdir={workdir}", "--factors=1.5", "--expert_shards=2")
   assert "pick: none (the run recorded no step timings for this expert-parallel size)" in (
       capsys.readouterr().out)
+
+
+# The tiny model shaped like the timed run: P=4 expert shards, T=16 tokens per device.
+TIME_CONFIG = ("--time_config=launch/configs/tiny.py", "--time_config.mesh.fsdp=2",
+               "--time_config.mesh.expert=4", "--time_config.data.seq_len=16")
+
+
+def time_main(monkeypatch, *args: str) -> None:
+  """`launch.capacity`'s main in this process; the config overrides are read from sys.argv."""
+  from tests.test_capacity import run_main
+  monkeypatch.setattr(sys, "argv", ["capacity", *args])
+  run_main(*args)
+
+
+@pytest.mark.slow  # two compiles of the tiny model and TensorFlow's import: ~20 s
+def test_the_planner_times_capped_steps_and_prices_with_them(timed_run, capsys, monkeypatch):
+  """--time_config compiles and times the run's config per factor (the run's own included)
+  and prices every factor from those times: what `price` gives with them."""
+  workdir, traffic = timed_run
+  time_main(monkeypatch, f"--workdir={workdir}", "--factors=1.5,3", "--format=json",
+            *TIME_CONFIG, "--time_steps=1", "--time_rounds=1")
+  results = json.loads(capsys.readouterr().out)
+  timed = {r["factor"]: r["capped_step_seconds"] for r in results}
+  assert set(timed) == {1.5, 3.0} and all(s > 0 for s in timed.values())
+  again = capacity.plan(traffic, [1.5, 3.0])
+  assert capacity.price(traffic, again, timed)
+  assert [r["step_seconds"] for r in results] == [r["step_seconds"] for r in again]
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (("--time_config.mesh.fsdp=1", "--time_config.mesh.expert=8"),
+     "--time_config runs P=8 expert shards with T=16 tokens per device and prices P=4; the "
+     "run recorded P=4, T=16"),
+    (("--time_config.moe.num_experts_per_tok=1",), "--time_config has 8 experts, top-1"),
+    (("--time_steps=0",), "--time_steps=0 and --time_rounds=10 must be >= 1"),
+])
+def test_the_planner_refuses_a_timing_config_that_is_not_the_runs(timed_run, overrides,
+                                                                   message, monkeypatch):
+  from absl import app
+  with pytest.raises(app.UsageError, match=re.escape(message)):
+    time_main(monkeypatch, f"--workdir={timed_run[0]}", *TIME_CONFIG, *overrides)
