@@ -1,7 +1,7 @@
 """The default job with the buffer-factor autopilot against fixed factors, in interleaved rounds.
 
   python -m benchmarks.autopilot_run [--workdir=DIR --steps=400 --rounds=3
-      --runs=auto,fixed1.5,fixed2,fixed2.5,fixed3,worst --from_step=100]
+      --runs=auto,fixed1.5,fixed2,fixed2.5,fixed3,worst --from_step=100 --time_steps=5]
 
 Trains the default config (8 simulated CPU devices) from scratch once per run and round: the
 autopilot from factor 3.0 (`auto`, `config.autopilot`'s defaults: the throughput objective),
@@ -14,8 +14,10 @@ frequency, rows dropped, and the largest difference of its loss curve from the f
 run's. Then, per run, the median tokens/s over the rounds and their spread, the autopilot's
 median over the best fixed run's, and `launch.capacity`'s predicted relative step time per
 factor (from the first fixed run's recorded traffic and timings, 1.0 at its factor) beside the
-measured one (the medians' seconds per step, in the same ratio). The runs stay in `--workdir`
-(`DIR/<run>-r<round>`). JSON, then tables.
+measured one (the medians' seconds per step, in the same ratio): priced by the matmul FLOPs,
+and, after the rounds, by the default config's capped steps timed per factor
+(`launch.step_timer`, 10 bursts of `--time_steps` steps each; 0 skips it), as `launch.capacity
+--time_config` does. The runs stay in `--workdir` (`DIR/<run>-r<round>`). JSON, then tables.
 """
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ import numpy as np
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.util import tensor_util
 
-from launch import capacity, platform, trainer
+from launch import capacity, platform, step_timer, trainer
 from launch.configs import default
 from metrics.traffic import read_traffic
 
@@ -86,11 +88,13 @@ def run(name: str, path: str, steps: int, from_step: int) -> dict:
           "losses": losses}
 
 
-def predicted(workdir: str, factors: list[float]) -> dict[float, float]:
-  """The planner's relative step time per factor, from the run in `workdir`."""
+def predicted(workdir: str, factors: list[float],
+              timed: dict[float, float] | None = None) -> dict[float, float]:
+  """The planner's relative step time per factor, from the run in `workdir` (scaled by the
+  `timed` capped steps, `launch.capacity.price`)."""
   traffic = read_traffic(workdir)
   results = capacity.plan(traffic, factors)
-  if not capacity.price(traffic, results):
+  if not capacity.price(traffic, results, timed):
     return {}
   return {r["factor"]: r["relative_step_time"] for r in results}
 
@@ -103,6 +107,7 @@ def main():
   parser.add_argument("--rounds", type=int, default=3)
   parser.add_argument("--from_step", type=int, default=100)
   parser.add_argument("--runs", default="auto,fixed1.5,fixed2,fixed2.5,fixed3,worst")
+  parser.add_argument("--time_steps", type=int, default=5)
   args = parser.parse_args()
   names = args.runs.split(",")
   for name in names:
@@ -129,13 +134,25 @@ def main():
             for i, n in enumerate(names)}
   best = max(fixed, key=median.get) if fixed else None
   factors = {n: (f if (f := factor_of(n)) > 0 else _worst()) for n in fixed}
-  prediction = (predicted(os.path.join(args.workdir, f"{fixed[0]}-r0"),
-                          sorted(set(factors.values()))) if fixed else {})
+  first = os.path.join(args.workdir, f"{fixed[0]}-r0") if fixed else None
+  prediction = predicted(first, sorted(set(factors.values()))) if fixed else {}
+  timed = {}
+  if prediction and args.time_steps > 0:
+    c = default.get_config()
+    timed = step_timer.capped_step_seconds(c, [factor_of(n) for n in fixed],
+                                           steps=args.time_steps)
+    # The worst case (-1) is priced as its factor, like the planner does.
+    timed_prediction = predicted(first, sorted(set(factors.values())), timed)
+  else:
+    timed_prediction = {}
   summary = {"rounds": rounds, "median_tokens_per_second": median, "spread": spread,
              "best_fixed": best,
              "autopilot_over_best_fixed": (median["auto"] / median[best]
                                            if "auto" in median and best else None),
              "predicted_relative_step_time": {str(k): v for k, v in prediction.items()},
+             "capped_step_seconds": {str(k): v for k, v in timed.items()},
+             "predicted_relative_step_time_timed": {str(k): v
+                                                    for k, v in timed_prediction.items()},
              # Seconds per step over the first fixed run's: its tokens/s over this run's.
              "measured_relative_step_time": {n: median[fixed[0]] / median[n] for n in fixed}}
   print(json.dumps(summary, indent=2))
@@ -152,13 +169,16 @@ def main():
   if "auto" in median and best:
     print(f"\nautopilot / best fixed ({best}): {median['auto'] / median[best]:.3f}")
   if prediction:
-    print(f"\n| factor | predicted relative step time (planner, {fixed[0]} round 0) | "
-          "measured (medians) |")
-    print("|---|---|---|")
+    print(f"\n| factor | predicted relative step time (planner, {fixed[0]} round 0): "
+          "FLOPs | timed capped steps | measured (medians) | measured, rounds' range |")
+    print("|---|---|---|---|---|")
     for n in fixed:
       f = factors[n]
+      ratios = [rd[names.index(fixed[0])]["tokens_per_second"] /
+                rd[names.index(n)]["tokens_per_second"] for rd in rounds]
       print(f"| {n} ({f:g}) | {prediction.get(f, float('nan')):.3f} | "
-            f"{median[fixed[0]] / median[n]:.3f} |")
+            f"{timed_prediction.get(f, float('nan')):.3f} | "
+            f"{median[fixed[0]] / median[n]:.3f} | {min(ratios):.3f}-{max(ratios):.3f} |")
 
 
 def _worst() -> float:
