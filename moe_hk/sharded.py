@@ -104,20 +104,26 @@ def reduce_stats(local: ShardStats, mesh: Mesh, config: MoEConfig) -> MoEStats:
   all_axes = tuple(mesh.axis_names)
   other_axes = tuple(a for a in all_axes if a != config.expert_axis)
   per_group = lambda v: jax.lax.psum(jax.lax.pmax(v, config.expert_axis), other_axes)
+  if config.record_traffic:
+    # The traffic's per-device counts sum to the global ones: one collective serves both.
+    per_device = _per_device(local.tokens_per_expert, all_axes, mesh.size)   # [devices, E]
+    tokens_per_expert = per_device.sum(axis=0, dtype=local.tokens_per_expert.dtype)
+  else:
+    per_device = jnp.zeros((0, config.num_experts), jnp.int32)
+    tokens_per_expert = jax.lax.psum(local.tokens_per_expert, all_axes)
   return MoEStats(
       fallback=jax.lax.pmax(local.fallback, all_axes),
       required_factor=jax.lax.pmax(local.required_factor, all_axes),
       would_drop_rows=per_group(local.would_drop_rows),
       dropped_rows=per_group(local.dropped_rows),
-      tokens_per_expert=jax.lax.psum(local.tokens_per_expert, all_axes),
+      tokens_per_expert=tokens_per_expert,
       nonfinite_tokens=jax.lax.psum(local.nonfinite_tokens, all_axes),
       lb_loss=jax.lax.pmean(local.lb_loss, all_axes) * config.load_balance_loss_weight,
       z_loss=jax.lax.pmean(local.z_loss, all_axes) * config.router_z_loss_weight,
       fallback_chunks=jax.lax.pmax(local.fallback_chunks, all_axes),
       router_entropy=jax.lax.pmean(local.router_entropy, all_axes),
       receiver_overflow_rows=per_group(local.receiver_overflow_rows),
-      routed_rows_per_device=_per_device(local.tokens_per_expert, all_axes, mesh.size)
-      if config.record_traffic else jnp.zeros((0, config.num_experts), jnp.int32))
+      routed_rows_per_device=per_device)
 
 
 def _per_device(value: jax.Array, axes: tuple[str, ...], devices: int) -> jax.Array:
