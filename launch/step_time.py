@@ -17,7 +17,7 @@ errors from the residuals. To price a factor that has not run (`StepTimeModel`):
   `StepFlops.fixed + f * StepFlops.per_factor` (`step_flops`): the expert matmuls over the
   receive buffer, whose rows are f x balanced; the rest does not depend on f. The FLOPs
   overstate a bigger buffer's cost where the grouped matmul skips its empty rows (measured on
-  this CPU: +30% a unit of factor against +5%).
+  this CPU: +30% a unit of factor against +5-8%).
 * `chunk(f)`: a chunk runs one MoE layer's experts over a buffer of R(f) rows, so its time is
   proportional to f: the measured chunk times over their factors, averaged, times f. Where no
   interval separates the chunk's time from the step's (no fallback ran, or the fallback ran

@@ -3,7 +3,8 @@
 What the capacity planner (`launch.capacity --time_config`) scales a run's measured step by
 for the factors the run did not train at: the compiler's FLOPs say how much matmul a bigger
 buffer adds, not how long it takes, and on a platform whose grouped matmul skips the buffer's
-empty rows (megablox, XLA's `ragged_dot`) a bigger buffer mostly costs memory traffic.
+empty rows (megablox on TPU, the blocked kernel on CPU) a bigger buffer mostly costs memory
+traffic.
 
 Each factor's program is the config's train step with `moe_dropless_fallback='none'`: the
 capped path alone (a step that overflows drops rows rather than running the fallback, whose
