@@ -136,15 +136,11 @@ def main():
   factors = {n: (f if (f := factor_of(n)) > 0 else _worst()) for n in fixed}
   first = os.path.join(args.workdir, f"{fixed[0]}-r0") if fixed else None
   prediction = predicted(first, sorted(set(factors.values()))) if fixed else {}
-  timed = {}
-  if prediction and args.time_steps > 0:
-    c = default.get_config()
-    timed = step_timer.capped_step_seconds(c, [factor_of(n) for n in fixed],
-                                           steps=args.time_steps)
-    # The worst case (-1) is priced as its factor, like the planner does.
-    timed_prediction = predicted(first, sorted(set(factors.values())), timed)
-  else:
-    timed_prediction = {}
+  # The worst case is timed at -1 and priced at its factor, as the planner does.
+  timed = (step_timer.capped_step_seconds(default.get_config(), [factor_of(n) for n in fixed],
+                                          steps=args.time_steps)
+           if prediction and args.time_steps > 0 else {})
+  timed_prediction = predicted(first, sorted(set(factors.values())), timed) if timed else {}
   summary = {"rounds": rounds, "median_tokens_per_second": median, "spread": spread,
              "best_fixed": best,
              "autopilot_over_best_fixed": (median["auto"] / median[best]
