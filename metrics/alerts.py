@@ -202,7 +202,10 @@ class AlertManager:
                  "hot_experts": m.layers[i].hottest_experts(3)} for i in layers]
     where = "; ".join(f"layer {h['layer']}: expert shards {h['receivers']} overflowed, "
                       f"hottest experts {h['hot_experts']}" for h in hotspots)
-    message = (f"MoE overflow [{rule}] at step {m.step}: layers {layers} {what} ({where}); "
+    # frequent_fallback also holds at a step where no layer overflowed.
+    subject = (f"layers {layers} {what} ({where})" if layers else
+               f"the MoE layers {what} (none at this step)")
+    message = (f"MoE overflow [{rule}] at step {m.step}: {subject}; "
                f"since step {since}, fallback frequency {m.fallback_frequency:.0%}, required "
                f"factor {m.required_factor:.3g}; ragged_buffer_factor={recommended} would have "
                f"avoided overflow in the recent window.")

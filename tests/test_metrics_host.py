@@ -211,6 +211,13 @@ def test_frequency_rule_fires_above_threshold_only(manager):
     m.check(steps(step, fallback=1, factor=1.8))
   frequent = [a for a in received if a.rule == "frequent_fallback"]
   assert frequent and frequent[0].frequency > 0.3
+  for step in range(14, 20):  # no fallback, but still over 30% of the last 10 steps
+    m.check(steps(step, fallback=0, factor=1.2))
+  quiet = [a for a in received if a.rule == "frequent_fallback" and a.step >= 14]
+  assert quiet and quiet[0].layers == [], quiet
+  frequency = f"{quiet[0].frequency:.0%}"
+  assert f"the MoE layers overflowed on {frequency} of recent steps" in quiet[0].message
+  assert "(none at this step)" in quiet[0].message and "layers []" not in quiet[0].message
 
 
 def test_drop_and_near_worst_case_rules(manager):
