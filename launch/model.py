@@ -139,7 +139,12 @@ class Transformer(hk.Module):
     super().__init__(name=name)
     self.config = config
     self.mesh = mesh
-    self.moe_config = moe_config(config)
+    # The fallback events leave once per step, all layers in one callback after the layer
+    # stack (`__call__`), not from each layer: a rematerialised group would call back again
+    # when the backward recomputes it, and each callback holds a device up until the host
+    # takes it.
+    self.emit_fallback_events = config.moe.emit_fallback_events
+    self.moe_config = dataclasses.replace(moe_config(config), emit_fallback_events=False)
 
   def _group(self, x: jax.Array, after_overflow: jax.Array | None, moe_index: jax.Array,
              step: jax.Array | None) -> tuple[jax.Array, moe_hk.MoEStats]:
@@ -180,6 +185,9 @@ class Transformer(hk.Module):
     after = jnp.zeros((), bool) if self.moe_config.moe_dropless_fallback == "step" else None
     (x, _), stats = hk.layer_stack(num_groups, with_per_layer_inputs=True, name="groups")(
         group)((x, after), jnp.arange(num_groups, dtype=jnp.int32))
+    if step is not None and self.emit_fallback_events:
+      moe_hk.events.emit_stacked_fallback_events(stats, step=jnp.asarray(step, jnp.int32),
+                                                 process=jax.process_index())
     return ModelOutput(rms_norm(x, "final_norm"), embed.embeddings, stats)
 
 

@@ -11,8 +11,10 @@ its shard_map, so one callback per step and layer, not one per device:
 
 A rematerialised forward calls back again when it is recomputed under grad, and every process
 reports, so events carry (step, layer, process) and the host keeps one record per
-(step, layer). Haiku `init` emits nothing (the module passes no step). Each
-callback carries two packed vectors (ints, floats): fewer host transfers per event.
+(step, layer). A model that stacks its layers can instead send every layer's fallback
+events in one callback after them (`emit_stacked_fallback_events`): once per step, whatever
+the remat. Haiku `init` emits nothing (the module passes no step). Each callback carries two
+packed vectors (ints, floats): fewer host transfers per event.
 
 `moe_hk` imports nothing outside itself: the host side (`metrics`) registers a sink.
 """
@@ -66,19 +68,36 @@ def _pack(labels: list, stats: tuple) -> tuple[tuple, jax.Array, jax.Array]:
           jnp.concatenate(floats).astype(jnp.float32))
 
 
-def _deliver(name: str, stats_type: type, layout: tuple, ints, floats) -> None:
+def _unpack(layout: tuple, ints, floats, labels: int) -> tuple[list[int], list[np.ndarray]]:
+  """`_pack`'s inverse on the host: the first `labels` ints as Python ints, then the fields."""
   ints, floats = np.asarray(ints), np.asarray(floats)
-  step, layer, process = (int(v) for v in ints[:3])
-  cursor, fields = {False: 3, True: 0}, []
+  cursor, fields = {False: labels, True: 0}, []
   for is_float, shape in layout:
     size, source = int(np.prod(shape)), floats if is_float else ints
     fields.append(source[cursor[is_float]:cursor[is_float] + size].reshape(shape))
     cursor[is_float] += size
-  event = LayerEvent(name, step, layer, process, stats_type(*fields))
+  return [int(v) for v in ints[:labels]], fields
+
+
+def _send(event: LayerEvent) -> None:
   with _sinks_lock:
     sinks = list(_sinks)
   for sink in sinks:
     sink(event)
+
+
+def _deliver(name: str, stats_type: type, layout: tuple, ints, floats) -> None:
+  (step, layer, process), fields = _unpack(layout, ints, floats, labels=3)
+  _send(LayerEvent(name, step, layer, process, stats_type(*fields)))
+
+
+def _deliver_stacked(stats_type: type, layout: tuple, ints, floats) -> None:
+  """One `FALLBACK_EVENT` per layer (row of the stacked fields) whose `fallback` is set."""
+  (step, process), fields = _unpack(layout, ints, floats, labels=2)
+  stats = stats_type(*fields)
+  for layer in np.flatnonzero(stats.fallback):
+    _send(LayerEvent(FALLBACK_EVENT, step, int(layer), process,
+                     stats_type(*(field[layer] for field in fields))))
 
 
 def emit_layer_event(stats: tuple, *, step: jax.Array, layer: jax.Array, process: int,
@@ -97,3 +116,17 @@ def emit_layer_event(stats: tuple, *, step: jax.Array, layer: jax.Array, process
     return
   jax.lax.cond(stats.fallback > 0, send(FALLBACK_EVENT),
                send(CAPPED_EVENT) if every_step else lambda: None)
+
+
+def emit_stacked_fallback_events(stats: tuple, *, step: jax.Array, process: int) -> None:
+  """One callback for a whole model's MoE layers, when any fell back: `stats` holds every
+  layer's `MoEStats` stacked (each field `[L, ...]`, row = the layer's ordinal). The host
+  receives the same `FALLBACK_EVENT`s as from the layers themselves, one per layer that fell
+  back. Called after the layers (outside any rematerialised forward), it fires once per step
+  however many layers overflowed, where the layers' own events fire once per overflowing
+  layer, and again when the backward recomputes them."""
+  layout, ints, floats = _pack([step, jnp.int32(process)], stats)
+  jax.lax.cond(jnp.any(stats.fallback > 0),
+               lambda: jax.debug.callback(functools.partial(_deliver_stacked, type(stats), layout),
+                                          ints, floats),
+               lambda: None)

@@ -143,3 +143,33 @@ def test_no_events_without_step_or_with_logging_off(events):
   jax.effects_barrier()
   assert len(events) == 1 and events[0].step == 1 and events[0].layer == 0
   assert int(stats.dropped_rows) == int(events[0].stats.dropped_rows) > 0
+
+
+def test_stacked_fallback_events_one_callback_for_the_layers_that_fell_back(events):
+  """`emit_stacked_fallback_events` (the launcher's model) under jit: nothing when no layer
+  fell back, else one `FALLBACK_EVENT` per layer that did, holding that layer's row of every
+  field (ints and floats, scalars and vectors)."""
+  layers, experts = 3, 4
+  shapes = dict(tokens_per_expert=(experts,), receiver_overflow_rows=(2,),
+                routed_rows_per_device=(8, experts))
+  floats = {"required_factor", "lb_loss", "z_loss", "router_entropy"}
+  rng = np.random.default_rng(0)
+  filled = moe_hk.MoEStats(**{
+      name: (jnp.asarray(rng.normal(size=(layers, *shapes.get(name, ()))), jnp.float32)
+             if name in floats else
+             jnp.asarray(rng.integers(1, 100, (layers, *shapes.get(name, ()))), jnp.int32))
+      for name in moe_hk.MoEStats._fields})
+  emit = jax.jit(lambda s, step: events_lib.emit_stacked_fallback_events(s, step=step,
+                                                                         process=0))
+  emit(filled._replace(fallback=jnp.zeros(layers, jnp.int32)), jnp.int32(3))
+  jax.effects_barrier()
+  assert not events
+  two_fell_back = filled._replace(fallback=jnp.asarray([1, 0, 1], jnp.int32))
+  emit(two_fell_back, jnp.int32(4))
+  jax.effects_barrier()
+  assert [(e.name, e.step, e.layer, e.process) for e in events] == [
+      (events_lib.FALLBACK_EVENT, 4, 0, 0), (events_lib.FALLBACK_EVENT, 4, 2, 0)]
+  for e in events:
+    for name, value in zip(moe_hk.MoEStats._fields, e.stats):
+      np.testing.assert_array_equal(value, np.asarray(getattr(two_fell_back, name))[e.layer],
+                                    err_msg=name)

@@ -53,7 +53,7 @@ def get_config() -> ml_collections.ConfigDict:
       # The trainer takes every step's stats from the step itself; True also streams them
       # through host callbacks (for bare-layer users; costs a callback per layer and step).
       stream_step_stats=False,
-      emit_fallback_events=True,        # the fallback branch calls back: alerts at once
+      emit_fallback_events=True,        # a step that fell back calls back: alerts at once
   ))
   c.shared_expert = False     # a dense SwiGLU beside each MoE block's experts
   # The routed traffic, rows per (device, expert) and step: WORKDIR/traffic, for the planner
