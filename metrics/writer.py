@@ -99,6 +99,7 @@ class _StepPoints:
   """What has been written for one step and not yet handed to the event file."""
   scalars: dict[str, float] = dataclasses.field(default_factory=dict)
   histograms: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)  # raw values
+  images: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)  # [H, W, 1] in [0, 1]
 
 
 class MoEMetricsWriter:
@@ -168,7 +169,7 @@ class MoEMetricsWriter:
           self._log.write_scalars(step, p.scalars)
         if self._events is not None:
           self._events.write_step_summary(step, step_summary(p.scalars, p.histograms,
-                                                             self._buckets))
+                                                             self._buckets, p.images))
     self._run(write)
 
   def write_hparams(self, hparams: Mapping[str, Any]) -> None:
@@ -187,10 +188,9 @@ class MoEMetricsWriter:
                               for layer, record in m.layers.items()})
 
   def write_expert_load(self, step: int, tokens_per_expert: np.ndarray) -> None:
-    """The `moe/expert_load` image of `tokens_per_expert [layers, E]` (an interval's rows)."""
-    load = np.array(tokens_per_expert)
-    self._run(lambda: self._writer.write_images(step, {EXPERT_LOAD_TAG:
-                                                       expert_load_image(load)[None]}))
+    """The `moe/expert_load` image of `tokens_per_expert [layers, E]` (an interval's rows),
+    written with the step's other points."""
+    self._step(step).images[EXPERT_LOAD_TAG] = expert_load_image(tokens_per_expert)
 
   def write_scalars(self, step: int, scalars: Mapping[str, float]) -> None:
     self._step(step).scalars.update(scalars)

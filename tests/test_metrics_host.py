@@ -10,6 +10,7 @@ import pytest
 
 from metrics import Aggregator, AlertConfig, AlertManager, MoEMetrics, MoEMetricsWriter
 from metrics.event_files import read_scalars
+from metrics.step_summaries import grey_png
 from metrics.writer import DROPLESS_STEPS_TAG
 from moe_hk import MoEStats
 from moe_hk.events import CAPPED_EVENT, FALLBACK_EVENT, LayerEvent
@@ -289,3 +290,13 @@ def test_the_background_writer_keeps_order_bounds_its_lag_and_reports_a_failed_w
     broken.flush()
   with pytest.raises(RuntimeError, match="writing metrics failed"):
     broken.close()
+
+
+def test_grey_png_decodes_to_the_image():
+  """The writer's own PNG encoder (images join the step's one summary, no TensorFlow op):
+  TensorFlow's decoder reads back every pixel, rows and columns in place."""
+  import tensorflow as tf
+  image = np.random.default_rng(0).uniform(-0.2, 1.2, (5, 13, 1))  # clipped to [0, 1]
+  decoded = tf.io.decode_png(grey_png(image)).numpy()
+  assert decoded.shape == (5, 13, 1) and decoded.dtype == np.uint8
+  np.testing.assert_array_equal(decoded, np.round(np.clip(image, 0, 1) * 255))
