@@ -7,8 +7,8 @@ Each round trains the default config (8 simulated CPU devices) once with the tel
 once off, each from scratch in its own workdir and its own process. On a machine with two or
 more cores the two runs of a round go at the same time, each pinned to its own core, and swap
 cores every round: both see the same machine at the same moment, which on a shared machine
-matters more than anything (runs minutes apart drift by 10-30%; two copies of one config run
-this way agree to ~1-2%). With one core the two runs alternate order round by round.
+matters more than anything (runs minutes apart drift by 10-30%; paired rounds spread by about
+3%). With one core the two runs alternate order round by round.
 
 Steps/s is measured in the steady state, over `--steps` steps after `--warmup_steps` (so the
 compile is left out), from the trainer's own `train/tokens_per_second` points: one per fetched
