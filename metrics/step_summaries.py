@@ -2,7 +2,7 @@
 
 CLU's `SummaryWriter.write_scalars` runs one eager TensorFlow summary op per tag (~0.4 ms of
 CPU each; docs/benchmarks.md): with ~30 MoE and training tags a step, that alone is ~3% of the
-default job's step on this machine. Here a step's scalars and histograms become one
+default job's step on this machine. Here a step's scalars, histograms and images become one
 `Summary` proto (values built in Python, as TensorBoard's own `*_pb` helpers do) and reach the
 same event file through one `tf.summary.experimental.write_raw_pb` op. The points are the ones
 `tf.summary.scalar` and CLU's histogram and image writes produce: float32 scalars under the

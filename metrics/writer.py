@@ -1,7 +1,7 @@
 """CLU metric writers for the MoE tags (TensorBoard event files), flushed on exit and SIGTERM.
 
-A step's scalars and histograms are held until the next flush, then written as one summary
-per step (`metrics.step_summaries`: one TensorFlow op a step instead of one a tag).
+A step's scalars, histograms and images are held until the next flush, then written as one
+summary per step (`metrics.step_summaries`: one TensorFlow op a step instead of one a tag).
 Asynchronous by default: writes run, in order, on one background thread, so that a training
 loop never waits for TensorFlow; `flush(wait=False)` queues a flush and returns.
 
@@ -106,8 +106,8 @@ class MoEMetricsWriter:
   """Writes `StepMetrics` (and any extra scalars) with CLU's writers: a `LoggingWriter` and,
   on process 0 only, a `SummaryWriter` (`StepSummaryWriter`) for the event files.
 
-  Steps' scalars and histograms are held until the next `flush()` (or `close()`), then written
-  one summary per step. With `asynchronous` (the default) every write runs on one background
+  Steps' scalars, histograms and images are held until the next `flush()` (or `close()`),
+  then written one summary per step. With `asynchronous` (the default) every write runs on one background
   thread, in the order written; a write that failed there raises `RuntimeError` from the next
   call. `flush(wait=False)` queues a flush without waiting; once more than `max_behind` such
   flushes are outstanding it waits for the oldest, so the host falls at most that many flushes
