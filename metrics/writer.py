@@ -108,10 +108,10 @@ class MoEMetricsWriter:
 
   Steps' scalars, histograms and images are held until the next `flush()` (or `close()`),
   then written one summary per step. With `asynchronous` (the default) every write runs on one
-  background thread, in the order written; a write that failed there raises `RuntimeError` from the next
-  call. `flush(wait=False)` queues a flush without waiting; once more than `max_behind` such
-  flushes are outstanding it waits for the oldest, so the host falls at most that many flushes
-  (log intervals) behind. `close()` (also run at interpreter exit and on SIGTERM once
+  background thread, in the order written; a write that failed there raises `RuntimeError`
+  from the next call. `flush(wait=False)` queues a flush without waiting; once more than
+  `max_behind` such flushes are outstanding it waits for the oldest, so the host falls at most
+  that many flushes (log intervals) behind. `close()` (also run at interpreter exit and on SIGTERM once
   `flush_on_sigterm()` is called) writes and flushes everything written so far.
   """
 
