@@ -111,8 +111,8 @@ class MoEMetricsWriter:
   background thread, in the order written; a write that failed there raises `RuntimeError`
   from the next call. `flush(wait=False)` queues a flush without waiting; once more than
   `max_behind` such flushes are outstanding it waits for the oldest, so the host falls at most
-  that many flushes (log intervals) behind. `close()` (also run at interpreter exit and on SIGTERM once
-  `flush_on_sigterm()` is called) writes and flushes everything written so far.
+  that many flushes (log intervals) behind. `close()` (also run at interpreter exit and on
+  SIGTERM once `flush_on_sigterm()` is called) writes and flushes everything written so far.
   """
 
   def __init__(self, workdir: str, *, asynchronous: bool = True, histogram_buckets: int = 32,
