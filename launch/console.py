@@ -41,6 +41,7 @@ class Interval(NamedTuple):
   dropped_rows: int       # rows dropped in the interval (only without a fallback)
   skipped_steps: int      # steps skipped for a non-finite loss or gradient
   factor: float           # the ragged_buffer_factor in force at its last step
+  stopping: bool = False  # the run stops after it (a signal, stop_after): no ETA
 
 
 class Console:
@@ -57,7 +58,8 @@ class Console:
 
   def progress(self, i: Interval) -> None:
     """`step 120/200 | loss 2.031 | 9.1k tok/s | ...`; the ETA assumes the interval's speed
-    (the interval that compiled the step shows neither)."""
+    (the interval that compiled the step, or one cut short by a stop, shows neither; the
+    interval the run stops after shows no ETA)."""
     done = i.last_step + 1
     fields = [f"step {done}/{self.total_steps}", f"loss {i.loss:.4g}"]
     if i.seconds_per_step is not None:
@@ -68,6 +70,6 @@ class Console:
     if i.skipped_steps:
       fields.append(f"skipped {i.skipped_steps} non-finite")
     fields.append(f"factor {i.factor:g}")
-    if i.seconds_per_step is not None:
+    if i.seconds_per_step is not None and not i.stopping:
       fields.append(f"ETA {duration((self.total_steps - done) * i.seconds_per_step)}")
     self.line(" | ".join(fields))

@@ -186,7 +186,10 @@ class _Reporter:
     """The interval under way also did other work than its steps: do not time it."""
     self._disturbed = True
 
-  def flush(self, pending: list[_Pending]) -> None:
+  def flush(self, pending: list[_Pending], stopping: bool = False, cut_short: bool = False
+            ) -> None:
+    """Fetches and reports `pending`; `stopping`: the run stops after it (its progress line
+    shows no ETA); `cut_short`: a stop ended it before its boundary (no speed either)."""
     if not pending:
       return
     fetched = jax.device_get([p.outputs for p in pending])
@@ -242,15 +245,16 @@ class _Reporter:
     totals.steps += len(pending)
     totals.fallback_steps += interval_fallbacks
     totals.dropped_rows += interval_dropped
-    # The first interval's time is mostly compilation: no speed or ETA from it.
-    timed = self._compiled
+    # The first interval's time is mostly compilation, and one cut short by a stop may be a
+    # single step, its time mostly the host's work on the fetch before: no speed from either.
+    timed = self._compiled and not cut_short
     self._compiled = True
     self.console.progress(console_lib.Interval(
         last_step=pending[-1].step, loss=self.losses[-1],
         seconds_per_step=seconds / len(pending) if timed else None,
         tokens_per_second=self.tokens_per_step * len(pending) / seconds if timed else None,
         fallback_steps=interval_fallbacks, steps=len(pending), dropped_rows=interval_dropped,
-        skipped_steps=interval_skipped, factor=pending[-1].factor))
+        skipped_steps=interval_skipped, factor=pending[-1].factor, stopping=stopping))
     pending.clear()
 
 
@@ -397,7 +401,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
         skipped = totals.consecutive_skipped
         if not (config.skip_nonfinite_steps and skipped >= config.max_consecutive_nonfinite):
           return
-        reporter.flush(pending)
+        reporter.flush(pending, stopping=True, cut_short=True)
         save(step + 1)
         checkpoints.wait()
         raise UserError(
@@ -441,7 +445,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
         if boundary and not (evaluate or saving or stopping):
           deferred, pending = pending, []
         elif boundary or stopping:
-          reporter.flush(pending)
+          reporter.flush(pending, stopping=stopping and not done,
+                         cut_short=stopping and not boundary)
           stop_if_nonfinite(step, step)
         if evaluate:
           totals.eval_loss = float(np.mean([

@@ -276,11 +276,17 @@ def test_sigterm_checkpoints_the_current_step_and_the_run_resumes(tmp_path):
     time.sleep(1)  # the first step's checkpoint: training is under way
   time.sleep(3)
   proc.send_signal(signal.SIGTERM)
-  _, stderr = proc.communicate(timeout=120)
+  stdout, stderr = proc.communicate(timeout=120)
   assert proc.returncode == 0, stderr[-3000:]
   assert "SIGTERM: finishing the current step" in stderr
   saved = max(int(s) for s in os.listdir(checkpoints) if s.isdigit())
   assert 1 < saved < 1000
+  # The last progress line is the stopping interval's: no ETA (the run does not go on), and
+  # no speed unless it ended at a boundary (an eval every 4 steps, a log every 10).
+  lines = stdout.splitlines()
+  last = lines[lines.index(f"stopping after step {saved} with a checkpoint") - 1]
+  assert last.startswith(f"step {saved}/1000 | ") and "ETA" not in last, last
+  assert ("tok/s" in last) == (saved % 4 == 0 or saved % 10 == 0), last
   scalars = read_scalars(str(tmp_path))
   assert sorted(scalars["train/loss"]) == list(range(saved))  # metrics flushed up to the stop
   # The resumed steps, and the steps before the stop, equal an uninterrupted run's.
