@@ -168,10 +168,10 @@ def test_an_interval_is_written_while_the_next_step_runs(baseline, tmp_path, mon
       return steps.train(state, batch)
     return steps._replace(train=train)
   flush = trainer._Reporter.flush
-  def recorded(self, pending):
+  def recorded(self, pending, **kwargs):
     if pending:
       fetches.append(([p.step for p in pending], dispatched[0]))
-    flush(self, pending)
+    flush(self, pending, **kwargs)
   monkeypatch.setattr(trainer, "make_steps", counted)
   monkeypatch.setattr(trainer._Reporter, "flush", recorded)
   # log_every=2; a checkpoint after step 0 (the first), eval and checkpoint after steps 3
