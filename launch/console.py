@@ -41,7 +41,7 @@ class Interval(NamedTuple):
   dropped_rows: int       # rows dropped in the interval (only without a fallback)
   skipped_steps: int      # steps skipped for a non-finite loss or gradient
   factor: float           # the ragged_buffer_factor in force at its last step
-  stopping: bool = False  # the run stops after it (a signal, stop_after): no ETA
+  stopping: bool = False  # the run stops after it (signal, stop_after, non-finite): no ETA
 
 
 class Console:
