@@ -16,7 +16,7 @@ median over the best fixed run's, and `launch.capacity`'s predicted relative ste
 factor (from the first fixed run's recorded traffic and timings, 1.0 at its factor) beside the
 measured one (the medians' seconds per step, in the same ratio): priced by the matmul FLOPs,
 and, after the rounds, by the default config's capped steps timed per factor
-(`launch.step_timer`, 10 bursts of `--time_steps` steps each; 0 skips it), as `launch.capacity
+(`launch.planning.capped_timing`, 10 bursts of `--time_steps` steps each; 0 skips it), as `launch.capacity
 --time_config` does. The runs stay in `--workdir` (`DIR/<run>-r<round>`). JSON, then tables.
 """
 from __future__ import annotations
@@ -26,12 +26,14 @@ import json
 import os
 import shutil
 
+import jax
 import numpy as np
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.util import tensor_util
 
-from launch import capacity, platform, step_timer, trainer
-from launch.configs import default
+from launch import platform, settings as settings_lib
+from launch.planning import capped_timing, replay
+from launch.training import trainer
 from metrics.traffic import read_traffic
 
 START = 3.0  # the autopilot's first factor
@@ -58,12 +60,11 @@ def _points(workdir: str, tag: str) -> dict[int, tuple[float, float]]:
 
 def run(name: str, path: str, steps: int, from_step: int) -> dict:
   fixed = factor_of(name)
-  c = default.get_config()
-  c.train_steps = steps
-  c.moe.ragged_buffer_factor = START if fixed is None else fixed
-  c.autopilot.enabled = fixed is None
+  settings = default_settings(train_steps=steps,
+                              **{"moe.ragged_buffer_factor": START if fixed is None else fixed,
+                                 "autopilot.enabled": fixed is None})
   shutil.rmtree(path, ignore_errors=True)
-  losses = trainer.train_and_evaluate(c, path)
+  losses = trainer.train_and_evaluate(settings, path)
   factors = {s: v for s, (_, v) in _points(path, "moe/ragged_buffer_factor").items()}
   fell_back = _points(path, "learning/moe_dropless_fallback_layers")
   dropped = _points(path, "moe/dropped_rows_fraction")
@@ -91,10 +92,10 @@ def run(name: str, path: str, steps: int, from_step: int) -> dict:
 def predicted(workdir: str, factors: list[float],
               timed: dict[float, float] | None = None) -> dict[float, float]:
   """The planner's relative step time per factor, from the run in `workdir` (scaled by the
-  `timed` capped steps, `launch.capacity.price`)."""
+  `timed` capped steps, `launch.planning.replay.price`)."""
   traffic = read_traffic(workdir)
-  results = capacity.plan(traffic, factors)
-  if not capacity.price(traffic, results, timed):
+  results = replay.plan(traffic, factors)
+  if not replay.price(traffic, results, timed):
     return {}
   return {r["factor"]: r["relative_step_time"] for r in results}
 
@@ -137,8 +138,8 @@ def main():
   first = os.path.join(args.workdir, f"{fixed[0]}-r0") if fixed else None
   prediction = predicted(first, sorted(set(factors.values()))) if fixed else {}
   # The worst case is timed at -1 and priced at its factor, as the planner does.
-  timed = (step_timer.capped_step_seconds(default.get_config(), [factor_of(n) for n in fixed],
-                                          steps=args.time_steps)
+  timed = (capped_timing.capped_step_seconds(default_settings(), [factor_of(n) for n in fixed],
+                                             steps=args.time_steps)
            if prediction and args.time_steps > 0 else {})
   timed_prediction = predicted(first, sorted(set(factors.values())), timed) if timed else {}
   summary = {"rounds": rounds, "median_tokens_per_second": median, "spread": spread,
@@ -177,10 +178,17 @@ def main():
             f"{median[fixed[0]] / median[n]:.3f} | {min(ratios):.3f}-{max(ratios):.3f} |")
 
 
+def default_settings(**overrides) -> settings_lib.Settings:
+  """The default job's settings with `overrides` (dotted keys, as on the command line)."""
+  config = settings_lib.load(os.path.join(settings_lib.CONFIGS, "default.py"),
+                             [(key, str(value)) for key, value in overrides.items()])
+  return settings_lib.build(config, jax.device_count())
+
+
 def _worst() -> float:
   """The default job's worst-case factor, min(P, E / K)."""
-  c = default.get_config()
-  return min(c.mesh.expert, c.moe.num_experts / c.moe.num_experts_per_tok)
+  layer = default_settings().layer
+  return min(default_settings().expert_shards, layer.num_experts / layer.num_experts_per_tok)
 
 
 if __name__ == "__main__":

@@ -8,9 +8,8 @@ each under jax.checkpoint(nothing_saveable) as in training. Two overflows, a mil
 factor about 1.2 x the factor) and a severe one (about 2.4 x), set by skewing the router towards
 experts 0 and 1 (both on shard 0) until the first layer's required factor hits the target.
 For each, timed interleaved: the capped step on the same input (rows dropped; the baseline),
-fixed chunking (8 chunks, each with its worst-case buffer), the earlier two-rung adaptive
-ladder (`fallback_variants.two_rung_ladder`: 2 chunks of the capped buffer, else 8) and adaptive
-chunking (`fallback.traffic_ladder`). The ideal of a step is the mean over its layers of
+fixed chunking (8 chunks, each with its worst-case buffer) and adaptive chunking
+(`fallback.traffic_ladder`). The ideal of a step is the mean over its layers of
 max(1, required_factor / factor) capped steps. Reports the median and p25-p75 of per-round
 ratios to the capped step, ratio / ideal, the chunks each layer ran and the buffer rows per
 chunk of the first layer's rung. JSON, then a table.
@@ -26,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import moe_hk
-from benchmarks import fallback_overhead, fallback_variants, timing
+from benchmarks import fallback_overhead, timing
 from launch import platform
 from moe_hk import dispatch_plan, fallback, routing
 
@@ -35,7 +34,7 @@ SETTING = dict(num_experts=16, num_experts_per_tok=2, emb_dim=256, mlp_dim=512,
 BATCH, SEQ, SHARDS = 64, 256, 8
 # Required factor over the buffer factor of each overflow.
 OVERFLOWS = {"mild": 1.2, "severe": 2.4}
-VARIANTS = ("capped", "fixed", "two_rung", "adaptive")
+VARIANTS = ("capped", "fixed", "adaptive")
 # Expert output scale: keeps the residual stream close to x, so every layer routes (and
 # overflows) like the first.
 OUTPUT_SCALE = 0.05
@@ -49,10 +48,7 @@ def variant_layer(variant: str, mesh):
   config = config.replace(moe_dropless_fallback="layer",
                           dropless_fallback_chunking="fixed" if variant == "fixed" else
                           "adaptive")
-  layer = functools.partial(moe_hk.moe_forward, config=config, mesh=mesh)
-  if variant == "two_rung":
-    return fallback_variants.traced_with(layer, ladder=fallback_variants.two_rung_ladder)
-  return layer
+  return functools.partial(moe_hk.moe_forward, config=config, mesh=mesh)
 
 
 def skewed(params: moe_hk.MoEParams, x: jax.Array, skew: float, seed: int = 1):
@@ -115,9 +111,7 @@ def first_layer_rung(variant: str, params, x) -> fallback.Rung:
     return fallback.Rung(1, rows)
   if variant == "fixed":
     return fallback.fixed_rung(**plan)
-  ladder = {"two_rung": fallback_variants.two_rung_ladder,
-            "adaptive": fallback.traffic_ladder}[variant]
-  rungs = (fallback.Rung(1, rows), *ladder(seq=SEQ, **plan))
+  rungs = (fallback.Rung(1, rows), *fallback.traffic_ladder(seq=SEQ, **plan))
   fine = []
   for block in jnp.split(x, SHARDS):  # shard i holds the i-th block of the batch
     ids = routing.route(block.reshape(tokens, -1), params.router_w[0], k).expert_ids

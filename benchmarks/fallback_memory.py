@@ -6,12 +6,12 @@ For each platform (an 8-device CPU mesh, and a v5p 2x2x2 topology compiled throu
 and each model (one bare MoE layer; stacks of rematerialised MoE layers trained with Adam),
 compiles the step and prints total memory per device (arguments + outputs + temp - aliased)
 and the compile time for: the worst-case buffer, the capped buffer, capped + `layer` fallback
-(scan of checkpointed chunks), the same with adaptive chunking (`fallback.traffic_ladder`),
-with the earlier two-rung adaptive ladder (`fallback_variants.two_rung_ladder`), and capped +
-fallback with a Python-unrolled chunk loop (the naive form, `moe_hk.fallback.unrolled_chunks`).
-Each rung of an adaptive ladder is a compiled switch branch, so these columns measure what rungs
-cost. `--factor` sets the buffer factor (a lower one lengthens the adaptive ladder). JSON
-first, then a table.
+(scan of checkpointed chunks), the same with adaptive chunking
+(`moe_hk.fallback.traffic_ladder`), and capped + fallback with a Python-unrolled chunk loop (the
+naive form, `launch.compiling.variants.unrolled_chunks`, passed as `moe_forward`'s
+`_chunk_loop`). Each rung of the adaptive ladder is a compiled switch branch, so its column
+measures what rungs cost. `--factor` sets the buffer factor (a lower one lengthens the adaptive
+ladder). JSON first, then a table.
 """
 from __future__ import annotations
 
@@ -26,9 +26,10 @@ import optax
 from jax.sharding import NamedSharding
 
 import moe_hk
-from benchmarks import fallback_variants
-from launch import platform as launch_platform, xla_programs
-from moe_hk import fallback, mesh as mesh_lib
+from launch import platform as launch_platform
+from launch.compiling import memory, topology
+from launch.compiling.variants import unrolled_chunks
+from moe_hk import mesh as mesh_lib
 
 # The single-layer setting where token buffers dominate: 8 shards, top-2, 8 experts,
 # 64 x 512 tokens (4,096 per shard), emb 1024, MLP 2048. Not narrower: on TPU a width of 64 is
@@ -38,12 +39,10 @@ SETTING = dict(num_experts=8, num_experts_per_tok=2, emb_dim=1024, mlp_dim=2048,
                moe_dropless_fallback="none")  # the capped variant; the others set theirs
 BATCH, SEQ = 64, 512
 SETTING["ragged_buffer_factor"] = 2.0
-VARIANTS = ("worst_case", "capped", "fallback_scan", "fallback_adaptive", "fallback_two_rung",
-            "fallback_unrolled")
-# The setting's automatic chunk count is 2; the adaptive variants ask for 8 chunks, so that
-# the two-rung ladder has two rungs, (2 chunks, R rows) and (8, R / 4). `traffic_ladder` then
-# has (8, 0.16 R), (8, 0.20 R), (8, R / 4) at factor 2 (no rung's chunks above the fixed
-# rung's), and five rungs and (8, R / 2) at factor 1.
+VARIANTS = ("worst_case", "capped", "fallback_scan", "fallback_adaptive", "fallback_unrolled")
+# The setting's automatic chunk count is 2; the adaptive variant asks for 8 chunks, so that
+# `traffic_ladder` has (8, 0.16 R), (8, 0.20 R), (8, R / 4) at factor 2 (no rung's chunks
+# above the fixed rung's), and five rungs and (8, R / 2) at factor 1.
 ADAPTIVE_MAX_CHUNKS = 8
 
 
@@ -58,22 +57,20 @@ def variant_config(variant: str, **overrides) -> moe_hk.MoEConfig:
       "fallback_scan": base.replace(moe_dropless_fallback="layer",
                                     dropless_fallback_chunking="fixed"),
       "fallback_adaptive": adaptive,
-      "fallback_two_rung": adaptive,
       "fallback_unrolled": base.replace(moe_dropless_fallback="layer",
                                         dropless_fallback_chunking="fixed"),
   }[variant]
 
 
 def variant_layer(variant: str, config: moe_hk.MoEConfig, mesh):
-  """`(params, x) -> (y, stats)` of `variant`'s layer."""
-  swap = {"fallback_two_rung": {"ladder": fallback_variants.two_rung_ladder},
-          "fallback_unrolled": {"chunk_loop": fallback.unrolled_chunks}}.get(variant, {})
-  return fallback_variants.traced_with(
-      functools.partial(moe_hk.moe_forward, config=config, mesh=mesh), **swap)
+  """`(params, x) -> (y, stats)` of `variant`'s layer (`fallback_unrolled`: the naive chunk
+  loop the scan is measured against)."""
+  loop = unrolled_chunks if variant == "fallback_unrolled" else None
+  return functools.partial(moe_hk.moe_forward, config=config, mesh=mesh, _chunk_loop=loop)
 
 
 def make_mesh(platform: str):
-  devices = (xla_programs.tpu_topology_devices("v5p:2x2x2") if platform == "tpu"
+  devices = (topology.tpu_topology_devices("v5p:2x2x2") if platform == "tpu"
              else jax.devices()[:8])
   return moe_hk.make_mesh(expert=8, devices=devices)
 
@@ -100,7 +97,7 @@ def compile_step(variant: str, platform: str, layers: int):
     def loss(p, xx):
       y, stats = layer(p, xx)
       return jnp.mean(y ** 2) + stats.lb_loss
-    params = xla_programs.abstract_like(_layer_params(config), shardings)
+    params = memory.abstract_like(_layer_params(config), shardings)
     return jax.jit(jax.value_and_grad(loss)).lower(params, x).compile()
 
   # Layers as a scan over stacked params with a rematerialised body, as large MoE models train.
@@ -121,12 +118,12 @@ def compile_step(variant: str, platform: str, layers: int):
   concrete = jax.tree.map(stack, _layer_params(config))
   stacked_shardings = jax.tree.map(
       lambda s: NamedSharding(mesh, jax.sharding.PartitionSpec(None, *s)), specs)
-  params = xla_programs.abstract_like(concrete, stacked_shardings)
+  params = memory.abstract_like(concrete, stacked_shardings)
   opt_state = jax.eval_shape(tx.init, concrete)
   replicated = NamedSharding(mesh, jax.sharding.PartitionSpec())
   opt_shardings = optax.tree_map_params(tx, lambda _, s: s, opt_state, stacked_shardings,
                                         transform_non_params=lambda _: replicated)
-  opt_state = xla_programs.abstract_like(opt_state, opt_shardings)
+  opt_state = memory.abstract_like(opt_state, opt_shardings)
   return jax.jit(step, donate_argnums=(0, 1)).lower(params, opt_state, x).compile()
 
 
@@ -140,7 +137,7 @@ def measure(platforms, layer_counts, variants=VARIANTS):
         start = time.perf_counter()
         compiled = compile_step(v, platform, layers)
         seconds[v] = time.perf_counter() - start
-        mib[v] = xla_programs.total_memory_bytes(compiled) / 2**20
+        mib[v] = memory.total_memory_bytes(compiled) / 2**20
       over = {v: mib[v] / mib["capped"] for v in variants if "capped" in mib}
       rows.append({"platform": platform, "layers": layers, "MiB": mib, "compile_s": seconds,
                    "over_capped": over})

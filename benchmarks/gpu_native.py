@@ -170,7 +170,7 @@ def main():
                       help="Comma-separated subset of layer, gmm, fallback.")
   args = parser.parse_args()
   mesh = moe_hk.make_mesh(expert=1, devices=jax.devices()[:1])
-  backends = moe_hk.sharded.resolve_backends(moe_hk.MoEConfig(1, 1, 1, 1), mesh)
+  backends = moe_hk.mesh_forward.resolve_backends(moe_hk.MoEConfig(1, 1, 1, 1), mesh)
   result = {"device": str(jax.devices()[0]), "jax": jax.__version__,
             "backends": backends._asdict()}
   sections = (("layer", "layer_vs_dense_reference", check_layer),

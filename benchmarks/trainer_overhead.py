@@ -46,19 +46,23 @@ def interval_rates(workdir: str) -> dict[int, float]:
 
 def steps_per_second(telemetry: bool, warmup: int, steps: int) -> float:
   """Trains the default job in this process; its steps/s over steps [warmup, warmup + steps)."""
-  from launch import platform, trainer
-  from launch.configs import default
+  import jax
+  from launch import platform, settings as settings_lib
+  from launch.training import trainer
   platform.setup(cpu_only=True)
-  c = default.get_config()
-  # Off: no callbacks and no traffic files either; on: the default job's telemetry (tags,
-  # histograms, the expert-load image, alerts, the traffic recording).
-  c.moe_metrics = c.moe.emit_fallback_events = c.traffic.record = telemetry
+  default = settings_lib.load(os.path.join(settings_lib.CONFIGS, "default.py"))
   # The window [warmup, warmup + steps) starts and ends at fetches; eval and checkpoints
   # (and the final fetch) come after it.
-  c.train_steps = warmup + steps + c.log_every
-  c.eval_every = c.checkpoint_every = c.train_steps
+  last = warmup + steps + default.log_every
+  # Off: no callbacks and no traffic files either; on: the default job's telemetry (tags,
+  # histograms, the expert-load image, alerts, the traffic recording).
+  overrides = {"moe_metrics": telemetry, "moe.emit_fallback_events": telemetry,
+               "traffic.record": telemetry, "train_steps": last, "eval_every": last,
+               "checkpoint_every": last}
+  c = settings_lib.load(os.path.join(settings_lib.CONFIGS, "default.py"),
+                        [(k, str(v)) for k, v in overrides.items()])
   with tempfile.TemporaryDirectory() as workdir:
-    trainer.train_and_evaluate(c, workdir)
+    trainer.train_and_evaluate(settings_lib.build(c, jax.device_count()), workdir)
     rates = interval_rates(workdir)
   tokens_per_step = c.data.batch_size * c.data.seq_len
   ends = range(warmup + c.log_every - 1, warmup + steps, c.log_every)
@@ -112,7 +116,7 @@ def main():
     print(steps_per_second(args.child == "on", args.warmup_steps, args.steps))
     return
   from launch.configs import default
-  log_every = default.get_config().log_every
+  log_every = default.get_config().log_every  # the default job's, as the children train it
   if args.warmup_steps % log_every or args.steps % log_every:
     parser.error(f"--warmup_steps and --steps must be multiples of log_every={log_every}")
   available = sorted(os.sched_getaffinity(0))

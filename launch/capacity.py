@@ -16,11 +16,11 @@ R rows per receiving shard is replayed on every recorded step and MoE layer (WOR
   memory_bytes_per_device  (with --aot_config) the config's train step, capped + `layer`
                            fallback, compiled by `launch.aot` for --compile_topology
   step_seconds             (when the run timed its steps) predicted seconds per step:
-                           `launch.step_time`'s model of the run's timed intervals, with the
+                           `launch.planning.step_model`'s model of the run's timed intervals, with the
                            fallback chunks replayed at the factor; with its standard error
   relative_step_time       step_seconds over the run's (newest) factor's
   capped_step_seconds      (with --time_config) one capped step of that config at the factor,
-                           timed on this machine's devices (`launch.step_timer`): it scales
+                           timed on this machine's devices (`launch.planning.capped_timing`): it scales
                            the run's measured step to the factors the run did not train at,
                            in place of the matmul FLOPs (which overstate a bigger buffer's cost
                            where the grouped matmul skips its empty rows)
@@ -38,30 +38,23 @@ size. Prints a markdown table, or a JSON list with --format=json; writes WORKDIR
 Traffic files it cannot use are skipped, a warning each; the table's first line counts them.
 """
 import json
-import math
 import os
-import sys
 import textwrap
 from typing import Sequence
 
 import jax
 import ml_collections
-import numpy as np
 from absl import app, flags
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from launch import cli, platform
-from launch import step_time
+from launch import cli, platform, settings as settings_lib
+from launch.compiling import topology as topology_lib
+from launch.errors import user_errors
+from launch.planning.replay import (DEFAULT_FACTORS, check_routing, factor_list, plan, pick,
+                                    price)
 from metrics.traffic import Traffic, read_traffic
-from moe_hk import dispatch_plan
 
-# launch.aot loads the trainer (CLU and TensorFlow: many seconds), so it loads only when a compile
-# is asked for; it defines --compile_topology, so before the flags are parsed.
-if any(arg.startswith(("--aot_config", "--compile_topology")) for arg in sys.argv[1:]):
-  from launch import aot  # noqa: F401
-
-DEFAULT_FACTORS = (1.0, 1.25, 1.5, 2.0, 3.0)
 GIB, MIB = 1024 ** 3, 1024 ** 2
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Workdir of a launch.train run (its traffic/).",
@@ -81,105 +74,8 @@ _TIME_CONFIG = cli.define_config(
     "machine's devices, and price the factors from those times.")
 _TIME_STEPS = flags.DEFINE_integer("time_steps", 5, "With --time_config: steps per timed burst.")
 _TIME_ROUNDS = flags.DEFINE_integer("time_rounds", 10, "With --time_config: bursts per factor.")
-
-# [M, P, P] traffic matrices -> [M] rows beyond a buffer of R rows (R traced: one compile).
-_overflow_rows = jax.jit(jax.vmap(dispatch_plan.overflow_rows, in_axes=(0, None)))
-
-
-def group_traffic(counts: np.ndarray, expert_shards: int) -> jax.Array:
-  """`A [n, layers, G, P, P]` from `counts [n, layers, devices, E]`: G = devices / P groups."""
-  n, layers, devices, experts = counts.shape
-  for what, size in (("recorded devices", devices), ("experts", experts)):
-    if expert_shards < 1 or size % expert_shards:
-      raise ValueError(f"expert_shards={expert_shards} must divide the {size} {what}.")
-  groups = counts.reshape(-1, expert_shards, experts)  # [n * layers * G, P, E]
-  return jax.vmap(dispatch_plan.traffic_matrix)(groups).reshape(
-      n, layers, devices // expert_shards, expert_shards, expert_shards)
-
-
-def plan(traffic: Traffic, factors: Sequence[float],
-         expert_shards: int | None = None) -> list[dict]:
-  """Per factor, what a capped buffer would have done on every recorded step and MoE layer.
-
-  One dict per factor, in the order given, with the keys of the module docstring (no memory).
-  """
-  shards = traffic.expert_shards if expert_shards is None else expert_shards
-  matrices = group_traffic(traffic.counts, shards)
-  flat = matrices.reshape(-1, shards, shards)
-  local = traffic.counts.shape[-1] // shards
-  routed = traffic.counts.sum(dtype=np.int64)
-  results = []
-  for factor in factors:
-    rows = dispatch_plan.buffer_rows(shards, traffic.tokens_per_device, traffic.k, local, factor)
-    beyond = np.asarray(_overflow_rows(flat, rows)).reshape(matrices.shape[:3])  # [n, layers, G]
-    overflowing = (beyond > 0).any(axis=2)                                        # [n, layers]
-    results.append(dict(
-        factor=float(factor),
-        fallback_frequency=float(overflowing.any(axis=1).mean()),
-        overflowing_layers_mean=float(overflowing.sum(axis=1).mean()),
-        would_drop_fraction=float(beyond.sum(dtype=np.int64) / routed),
-        buffer_rows=rows,
-        expert_shards=shards))
-  return results
-
-
-def price(traffic: Traffic, results: list[dict],
-          timed: dict[float, float] | None = None) -> bool:
-  """Adds `step_seconds`, `step_seconds_se` and `relative_step_time` to each of `results`
-  (`plan`'s, for the recorded expert-parallel size) from the run's timed intervals, scaled to
-  the other factors by `timed` (`{factor: seconds of a capped step}`, `launch.step_timer`)
-  where it has both factors; False, changing nothing, when the traffic has no timings or run
-  shape. With adaptive chunking a fallback is priced at its most chunks
-  (`step_time.fallback_chunks`): an upper bound."""
-  shape, timings = traffic.shape, traffic.timings
-  if shape is None or timings is None or not len(timings.seconds):
-    return False
-  shards, experts = traffic.expert_shards, traffic.counts.shape[-1]
-  # The model prices a factor by its buffer's size: the worst case (-1) as its factor.
-  worst = dispatch_plan.worst_case_factor(experts, traffic.k, shards)
-  size = lambda factor: np.where(np.asarray(factor) > 0, factor, worst)
-  model = step_time.StepTimeModel(timings._replace(factors=size(timings.factors)),
-                                  step_time.StepFlops(shape.flops_fixed, shape.flops_per_factor,
-                                                      moe_layers=traffic.counts.shape[1]),
-                                  {float(size(f)): s for f, s in (timed or {}).items()})
-
-  def seconds(r: dict) -> step_time.Estimate:
-    chunks = step_time.fallback_chunks(
-        r["factor"], tokens_per_device=traffic.tokens_per_device, seq_len=shape.seq_len,
-        k=traffic.k, shards=shards, local_experts=experts // shards,
-        requested=shape.requested_chunks)
-    return model.step(float(size(r["factor"])), r["overflowing_layers_mean"] * chunks)
-
-  run = float(traffic.factors[-1])
-  at_run = next((r for r in results if r["factor"] == run), None) or plan(traffic, [run])[0]
-  reference = seconds(at_run).seconds
-  for r in results:
-    r["step_seconds"], r["step_seconds_se"] = seconds(r)
-    r["relative_step_time"] = r["step_seconds"] / reference
-  return True
-
-
-def pick(results: list[dict], budget_bytes: int | None) -> dict | None:
-  """The result with the fewest predicted seconds per step among those that fit
-  `budget_bytes` (every one when None, or when no memory was compiled)."""
-  fits = [r for r in results if math.isfinite(r.get("step_seconds", math.nan)) and (
-      budget_bytes is None or r.get("memory_bytes_per_device", 0) <= budget_bytes)]
-  return min(fits, key=lambda r: r["step_seconds"], default=None)
-
-
-def factor_list(values: list[str] | None, traffic: Traffic) -> list[float]:
-  """--factors as sorted distinct numbers; default: DEFAULT_FACTORS and the run's own."""
-  if values is None:
-    # A run on the worst-case buffer (-1) never overflows: nothing to replay for it.
-    return sorted({*DEFAULT_FACTORS, *(f for f in traffic.factors.tolist() if f > 0)})
-  text = ",".join(values)
-  try:
-    factors = [float(v) for v in values]
-  except ValueError:
-    raise ValueError(f"--factors={text}: not a comma-separated list of numbers.") from None
-  if not factors or not all(math.isfinite(f) and f > 0 for f in factors):
-    raise ValueError(f"--factors={text}: need one or more positive buffer factors, e.g. 1,1.5,2.")
-  return sorted(set(factors))
+_TOPOLOGY = topology_lib.topology_flag(None, "With --aot_config: the topology to compile for, "
+                                       "as launch.aot takes it ('v5p-N', 'v5p:AxBxC', 'cpu:N').")
 
 
 def memory_per_factor(config: ml_collections.ConfigDict, topology: str,
@@ -189,49 +85,39 @@ def memory_per_factor(config: ml_collections.ConfigDict, topology: str,
 
   The mesh gets `expert_shards` on its expert axis; fsdp takes up the rest of the devices.
   """
-  from launch import aot, trainer  # loaded only when asked for, see the top of this file
-  devices = aot.topology_devices(topology)
-  check_routing(config, traffic, "aot_config")
-  c = config.copy_and_resolve_references()
-  fsdp, rest = divmod(len(devices), c.mesh.data * expert_shards)
+  # Loaded only when a compile is asked for.
+  from launch.compiling import variants
+  from launch.planning import programs
+  devices = topology_lib.topology_devices(topology)
+  data = config.mesh.data
+  fsdp, rest = divmod(len(devices), data * expert_shards)
   if rest:
-    raise ValueError(f"config.mesh.data={c.mesh.data} x expert={expert_shards} does not divide "
+    raise ValueError(f"config.mesh.data={data} x expert={expert_shards} does not divide "
                      f"the {len(devices)} devices of --compile_topology={topology}.")
-  c.mesh.expert, c.mesh.fsdp = expert_shards, fsdp
-  trainer.validate(c, devices=len(devices))
-  memory = []
-  for factor in factors:
-    c.moe.ragged_buffer_factor = factor
-    memory.append(aot.compile_variant(c, devices, "fallback_scan")["total_bytes"])
-  return memory
-
-
-def check_routing(config: ml_collections.ConfigDict, traffic: Traffic, flag: str) -> None:
-  """ValueError unless `config` (--`flag`) routes like the recorded run: experts and top-K."""
-  experts = traffic.counts.shape[-1]
-  if (config.moe.num_experts, config.moe.num_experts_per_tok) != (experts, traffic.k):
-    raise ValueError(f"--{flag} has {config.moe.num_experts} experts, top-"
-                     f"{config.moe.num_experts_per_tok}; the traffic {experts}, top-{traffic.k}.")
+  settings = settings_lib.build(config, len(devices),
+                                mesh={"data": data, "fsdp": fsdp, "expert": expert_shards})
+  check_routing(settings.layer, traffic, "aot_config")
+  return [variants.compile_variant(programs.at_factor(settings, f), devices,
+                                   "fallback_scan")["total_bytes"] for f in factors]
 
 
 def capped_times(config: ml_collections.ConfigDict, traffic: Traffic, factors: Sequence[float],
                  expert_shards: int, steps: int, rounds: int) -> dict[float, float]:
-  """`launch.step_timer`'s seconds of a capped step of `config` (the run's, checked against
-  the traffic) at each of `factors` and the run's newest factor, on this machine's devices."""
-  from launch import step_timer, trainer  # loaded only when asked for: compiles and runs
-  check_routing(config, traffic, "time_config")
-  c = config.copy_and_resolve_references()
-  trainer.validate(c)
-  tokens = c.data.batch_size * c.data.seq_len // jax.device_count()
+  """Seconds of a capped step of `config` (the run's, checked against the traffic) at each of
+  `factors` and the run's newest factor, on this machine's devices
+  (`launch.planning.capped_timing`)."""
+  from launch.planning import capped_timing  # compiles and runs: only when asked for
+  settings = settings_lib.build(config, jax.device_count())
+  check_routing(settings.layer, traffic, "time_config")
+  tokens = config.data.batch_size * config.data.seq_len // jax.device_count()
   recorded = (traffic.expert_shards, traffic.tokens_per_device, traffic.expert_shards)
-  if (c.mesh.expert, tokens, expert_shards) != recorded:
+  if (settings.expert_shards, tokens, expert_shards) != recorded:
     raise ValueError(
-        f"--time_config runs P={c.mesh.expert} expert shards with T={tokens} tokens per "
-        f"device and prices P={expert_shards}; the run recorded P={traffic.expert_shards}, "
+        f"--time_config runs P={settings.expert_shards} expert shards with T={tokens} tokens "
+        f"per device and prices P={expert_shards}; the run recorded P={traffic.expert_shards}, "
         f"T={traffic.tokens_per_device}: pass the run's config and its expert-parallel size.")
-  return step_timer.capped_step_seconds(c, [*factors, float(traffic.factors[-1])],
-                                        steps=steps, rounds=rounds)
-
+  return capped_timing.capped_step_seconds(settings, [*factors, float(traffic.factors[-1])],
+                                           steps=steps, rounds=rounds)
 
 def describe(traffic: Traffic, expert_shards: int) -> str:
   """One line: what was recorded, how it is grouped and how many traffic files were skipped."""
@@ -320,23 +206,9 @@ def pick_line(chosen: dict | None, priced: bool, budget: int | None, adaptive: b
           ("; adaptive chunking: fallbacks priced at their most chunks" if adaptive else ""))
 
 
-def _topology() -> str | None:
-  """--compile_topology, when given (launch.aot defines it, and loads only when asked)."""
-  given = "compile_topology" in flags.FLAGS and flags.FLAGS["compile_topology"].present
-  return flags.FLAGS.compile_topology if given else None
-
-
-def _cpu_devices(topology: str | None) -> int:
-  """The CPU devices to start jax with: launch.aot's for the topology, else one (the replay's)."""
-  if topology is None:
-    return 1
-  from launch import aot  # loaded when --compile_topology is given, see the top of this file
-  return aot.cpu_device_count(topology)
-
-
 def main(argv):
   del argv  # launch.cli refuses arguments that are not flags
-  topology = _topology()
+  topology = _TOPOLOGY.value if flags.FLAGS["compile_topology"].present else None
   if _BUDGET.value < 0:
     raise app.UsageError(f"--memory_budget_gib={_BUDGET.value:g} must be >= 0 (0: no budget).",
                          exitcode=cli.FLAG_MISUSE)
@@ -356,13 +228,14 @@ def main(argv):
   if min(_TIME_STEPS.value, _TIME_ROUNDS.value) < 1:
     raise app.UsageError(f"--time_steps={_TIME_STEPS.value} and --time_rounds="
                          f"{_TIME_ROUNDS.value} must be >= 1.", exitcode=cli.FLAG_MISUSE)
-  try:
+  with user_errors():
     # The replay needs no accelerator (a run may hold it) and a compile is launch.aot's, for a
     # topology, from the CPU: both take the CPU. Timing takes the run's own devices.
     if timing is None:
-      platform.setup(_cpu_devices(topology), cpu_only=True)
+      platform.setup(1 if topology is None else topology_lib.cpu_device_count(topology),
+                     cpu_only=True)
     else:
-      platform.setup(timing.cpu_devices)
+      platform.setup(settings_lib.cpu_devices(timing))
     traffic = read_traffic(_WORKDIR.value)
     factors = factor_list(_FACTORS.value, traffic)
     results = plan(traffic, factors, _EXPERT_SHARDS.value)
@@ -373,8 +246,6 @@ def main(argv):
         r["memory_bytes_per_device"] = m
     timed = None if timing is None else capped_times(timing, traffic, factors, shards,
                                                      _TIME_STEPS.value, _TIME_ROUNDS.value)
-  except ValueError as e:
-    raise app.UsageError(str(e)) from None
   for r in results if timed else ():
     r["capped_step_seconds"] = timed[r["factor"]]
   # The timings are the recorded run's: they price its own expert-parallel size only.

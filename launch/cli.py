@@ -6,47 +6,96 @@ the value and what is valid, with no traceback and no absl usage dump. The exit 
 which kind of mistake:
 
   2 (FLAG_MISUSE)  the command line does not parse: an unknown flag or config key, a missing
-                   required flag, a value absl cannot read as the flag's type, an argument
-                   that is not a flag;
+                   required flag, a value that does not parse as the flag's or key's type, an
+                   argument that is not a flag;
   1 (USER_ERROR)   it parses but asks for something invalid: `main` raised a `UserError` (a
                    config value, a file, the data), or an absl `UsageError` (its `exitcode`).
 
 Any other exception is the program's bug and keeps its traceback.
+
+A config flag (`define_config`) takes a config file, `--NAME=FILE`, whose keys the command line
+sets as `--NAME.KEY=VALUE`: the file is loaded once, with its overrides, by
+`launch.settings.load` before absl parses the other flags. `--print_config` prints every
+config flag's resolved config, one `--NAME.KEY=VALUE` line per key, and exits.
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 import sys
-from typing import Any, Callable, Iterator, NoReturn
+from typing import Any, Callable, NoReturn
 
+import ml_collections
 from absl import app, flags
-from ml_collections import config_flags
 
-from launch import overrides
+from launch import settings
 from launch.errors import UserError
 
-USER_ERROR, FLAG_MISUSE = 1, 2
+USER_ERROR, FLAG_MISUSE = 1, settings.FLAG_MISUSE
 
-# The config file flags `define_config` made (name -> default file): `parse` checks them first.
-_CONFIG_FLAGS: dict[str, str | None] = {}
+
+class ConfigFlag:
+  """`--NAME=FILE`'s config, with its `--NAME.KEY=VALUE` overrides, once the command line is
+  parsed (`value`; None when no file was given and there is no default)."""
+
+  def __init__(self, name: str, default: str | None):
+    self.name = name
+    self.default = default and os.path.join(settings.CONFIGS, default)
+    self.value: ml_collections.ConfigDict | None = None
+
+  def take(self, argv: list[str]) -> list[str]:
+    """Loads the config `argv` names (or the default) with its overrides; returns `argv`
+    without them, for absl."""
+    path, overrides, rest = self.default, [], []
+    self.value = None
+    i = 0
+    while i < len(argv):
+      arg = argv[i]
+      if arg == f"--{self.name}" and i + 1 < len(argv):
+        path, i = argv[i + 1], i + 2
+        continue
+      if arg.startswith(f"--{self.name}="):
+        path = arg.split("=", 1)[1]
+      elif arg.startswith(f"--{self.name}."):
+        key, sep, text = arg[len(self.name) + 3:].partition("=")
+        if not sep:  # `--config.KEY VALUE`
+          if i + 1 >= len(argv):
+            raise app.UsageError(f"{arg}: needs a value (--{self.name}.{key}=VALUE).",
+                                 exitcode=FLAG_MISUSE)
+          text, i = argv[i + 1], i + 1
+        overrides.append((key, text))
+      else:
+        rest.append(arg)
+      i += 1
+    if path is not None:
+      self.value = settings.load(path, overrides, self.name)
+    elif overrides:
+      raise app.UsageError(f"--{self.name}.{overrides[0][0]} needs --{self.name}=FILE.",
+                           exitcode=FLAG_MISUSE)
+    return rest
+
+
+# The config flags `define_config` made: `parse` loads them before absl parses the rest.
+_CONFIG_FLAGS: dict[str, ConfigFlag] = {}
 
 # The flags `define_config` defines belong to its caller, whose --help lists them.
 flags.disclaim_key_flags()
 
 
-def define_config(name: str, default: str | None, help_text: str) -> flags.FlagHolder:
+def define_config(name: str, default: str | None, help_text: str) -> ConfigFlag:
   """`--NAME`: a config file, each key settable as --NAME.KEY=VALUE; by default (without one
   on the command line) the shipped `default`, a file name in launch/configs/."""
-  path = default and os.path.join(overrides.CONFIGS, default)
-  _CONFIG_FLAGS[name] = path
-  # No default for ml_collections: it would load the file, and apply the command line's
-  # overrides, at this definition, where an unknown key is a traceback. `parse` gives it.
-  holder = config_flags.DEFINE_config_file(
-      name, None, f"{help_text} {overrides.shipped()}. Set any key as --{name}.KEY=VALUE; "
-      "`python -m launch.train --config=FILE --print_config` lists every key and its value.")
-  flags.FLAGS[name].default_as_str = repr(path)  # what --help shows as the default
+  holder = ConfigFlag(name, default)
+  if not _CONFIG_FLAGS:
+    flags.DEFINE_boolean("print_config", False, "Print the resolved config (the file with its "
+                         "overrides), one --config.KEY=VALUE line per key, unchecked, and exit; "
+                         "what each key means is commented in the config file and in "
+                         "launch/configs/default.py, which the others extend.")
+  _CONFIG_FLAGS[name] = holder
+  # Declared to absl for --help only: `parse` takes the file and its keys off the command line.
+  flags.DEFINE_string(
+      name, holder.default, f"{help_text} {settings.shipped()}. Set any key as "
+      f"--{name}.KEY=VALUE; --print_config lists every key and its value.")
   return holder
 
 
@@ -63,34 +112,38 @@ def fail(message: str, status: int) -> NoReturn:
 
 
 def parse(argv: list[str]) -> list[str]:
-  """absl's flag parsing (an `app.run` flags_parser), each config file and its overrides
-  checked first; a mistake ends the program in one line."""
-  for name, default in _CONFIG_FLAGS.items():
-    path = overrides.config_path(argv, name)
-    if path is None and default:
-      path, argv = default, [argv[0], f"--{name}={default}", *argv[1:]]
-    if path is None:
-      continue
-    try:
-      config = overrides.load(path, name)
-    except UserError as e:
-      fail(str(e), USER_ERROR)
-    message = overrides.unknown_override(argv, config, name)
-    if message:
-      fail(message, FLAG_MISUSE)
+  """absl's flag parsing (an `app.run` flags_parser), each config file loaded first with its
+  overrides; a mistake ends the program in one line."""
+  try:
+    for holder in _CONFIG_FLAGS.values():
+      argv = holder.take(argv)
+  except UserError as e:
+    fail(str(e), USER_ERROR)
+  except app.UsageError as e:
+    fail(str(e), e.exitcode)
   try:
     return flags.FLAGS(argv)
   except flags.Error as e:
     fail(f"{e} (--help lists the flags)", FLAG_MISUSE)
 
 
+def print_configs() -> None:
+  """`--print_config`'s output: every loaded config as `--NAME.KEY=VALUE` lines."""
+  for holder in _CONFIG_FLAGS.values():
+    if holder.value is not None:
+      print("\n".join(settings.as_flags(holder.value, holder.name)))
+
+
 def one_line_errors(main: Callable[[list[str]], Any]) -> Callable[[list[str]], Any]:
-  """`main`, its user errors (and arguments that are not flags) ending it in one line."""
+  """`main`, its user errors (and arguments that are not flags) ending it in one line;
+  with `--print_config`, the configs printed instead."""
   @functools.wraps(main)
   def run_main(argv: list[str]) -> Any:
     if len(argv) > 1:
       fail(f"unexpected arguments {' '.join(argv[1:])}: every option is a --flag (--help "
            "lists them).", FLAG_MISUSE)
+    if _CONFIG_FLAGS and flags.FLAGS["print_config"].value:
+      return print_configs()
     try:
       return main(argv)
     except UserError as e:
@@ -103,13 +156,3 @@ def one_line_errors(main: Callable[[list[str]], Any]) -> Callable[[list[str]], A
 def run(main: Callable[[list[str]], Any]) -> None:
   """`app.run(main)` with one-line errors (the module docstring)."""
   app.run(one_line_errors(main), flags_parser=parse)
-
-
-@contextlib.contextmanager
-def user_errors() -> Iterator[None]:
-  """Turns the ValueErrors raised inside into UserErrors: for checks of what the user asked
-  for (config validation), whose messages name the field, the value and what is valid."""
-  try:
-    yield
-  except ValueError as e:
-    raise UserError(str(e)) from None

@@ -22,7 +22,7 @@ written to a `.tmp` file and renamed, so a reader never sees half a file), holdi
                                       checkpoint, a program switch or a background compile
                                       fell in it)
   seq_len            [] int64         the step's cost at other factors (`RunShape`, for
-  adaptive_chunking  [] int64         `launch.step_time`): sequence length, 1 for adaptive
+  adaptive_chunking  [] int64         `launch.planning.step_model`): sequence length, 1 for adaptive
   requested_chunks   [] int64         fallback chunking, the fixed chunk count asked for (0:
   step_flops         [2] float64      automatic), matmul FLOPs of a step = [0] + factor x [1]
 
@@ -66,7 +66,7 @@ _SHAPE_FORMAT = {"seq_len": (np.int64, 0), "adaptive_chunking": (np.int64, 0),
 
 
 class RunShape(NamedTuple):
-  """What prices a step at another buffer factor (`launch.step_time`)."""
+  """What prices a step at another buffer factor (`launch.planning.step_model`)."""
   seq_len: int             # positions per sequence: the fallback chunks divide it
   adaptive_chunking: bool  # the fallback's chunk count follows the traffic
   requested_chunks: int    # dropless_fallback_num_chunks (0: the fewest that fit)

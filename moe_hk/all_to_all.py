@@ -64,8 +64,7 @@ def emulated_ragged_all_to_all(operand: jax.Array, output: jax.Array, exchange: 
 def ragged_all_to_all(operand: jax.Array, output: jax.Array, exchange: Exchange, axis_name: str,
                       impl: str) -> jax.Array:
   """Dispatches to the `native` or `emulated` backend (already resolved from 'auto')."""
+  assert impl in ("native", "emulated"), f"a2a impl {impl!r}: resolve_backends picks it"
   if impl == "native":
     return native_ragged_all_to_all(operand, output, exchange, axis_name)
-  if impl == "emulated":
-    return emulated_ragged_all_to_all(operand, output, exchange, axis_name)
-  raise ValueError(f"a2a_impl={impl!r} must be 'native' or 'emulated' here.")
+  return emulated_ragged_all_to_all(operand, output, exchange, axis_name)

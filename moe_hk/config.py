@@ -1,7 +1,8 @@
 """`MoEConfig`: the layer's settings, validated when constructed.
 
 Checks that need the mesh or the input (experts divisible by the expert-axis size, batch
-divisible by the devices) live in `moe_hk.mesh` and run when the layer first sees both.
+divisible by the devices) live in `moe_hk.mesh` (`check_layer`) and run when the layer first
+sees both.
 """
 from __future__ import annotations
 
@@ -24,51 +25,87 @@ def _fail(field: str, value: Any, allowed: str) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class MoEConfig:
-  """Settings of one MoE layer (names follow the reference implementation where it has one)."""
+  """Settings of one MoE layer, checked when constructed.
 
-  num_experts: int                 # E: routed experts in the layer.
-  num_experts_per_tok: int         # K: experts each token is sent to (top-k).
-  emb_dim: int                     # D: model width.
-  mlp_dim: int                     # F: hidden width of each SwiGLU expert.
-  # Receive buffer per EP shard = factor x balanced rows (T * K); -1 = worst case (never drops).
+  Names follow the reference implementation where it has one; make variants with `replace`.
+  Checks that need the mesh or the input run in `moe_hk.check_layer`.
+
+  Attributes:
+    num_experts: E, routed experts in the layer.
+    num_experts_per_tok: K, experts each token is sent to (top-k), in [1, E].
+    emb_dim: D, model width.
+    mlp_dim: F, hidden width of each SwiGLU expert.
+    ragged_buffer_factor: Receive buffer of each expert shard, in balanced loads: `factor x`
+      the T * K rows a shard routes (at most the worst case), > 0; -1 is the worst case,
+      which never drops a row.
+    moe_dropless_fallback: What happens when a shard's buffer would overflow: 'none' drops
+      rows; 'layer' (default) reruns the layer dropless over token chunks; 'step' runs the
+      step dropless from its first overflowing MoE layer on (that layer and every later one
+      take the chunked path; the layers before it fit their buffers, so their capped forward
+      is the dropless one). Both paths. With the worst-case buffer nothing can overflow and no
+      fallback is built, so the default costs nothing there.
+    dropless_fallback_num_chunks: Token chunks of the fallback, each with its chunk's
+      worst-case buffer; 0 picks the fewest whose buffer fits the capped one. A count that
+      does not divide the local sequence or fit the capped buffer is refused when the layer
+      is traced.
+    dropless_fallback_chunking: How the 'layer' fallback chunks. 'adaptive' (default)
+      decides at run time from the step's traffic: the first rung of a ladder (chunk count,
+      buffer rows per chunk: 1.26, 1.58, 2.0, ... capped buffers in all, up to 3.98, then the
+      count above) whose every chunk fits, so an overflow costs about what its rows need.
+      'fixed' always runs the count above (sized for the worst case, whatever the overflow):
+      one compiled branch, the shortest compile (each rung is a compiled branch). 'step'
+      mode always runs the count above.
+    use_ring_of_experts: All-gather the expert group's tokens and run the local experts on
+      them (then reduce-scatter), instead of the ragged all-to-all.
+    a2a_impl: Ragged all-to-all backend: 'native' (XLA's; TPU, GPU), 'emulated' (dense
+      collectives, same results; CPU), or 'auto' (by the mesh's platform).
+    gmm_impl: Grouped-matmul backend: 'ragged_dot' (XLA's; TPU), 'megablox' (jax's Pallas
+      TPU kernels; TPU, interpreted on CPU), 'blocked' (CPU, GPU), or 'auto' (ragged_dot on
+      TPU, else blocked).
+    gmm_block_rows: Row block of the 'blocked' grouped matmul.
+    router_score: Combine weights: 'softmax' over the K selected logits, or 'sigmoid' of each
+      selected logit (Llama4; top-1 weights then still train the router).
+    dtype: Compute dtype of the expert matmuls, 'float32' or 'bfloat16' (a name or a jnp
+      dtype, stored as its name); parameters stay float32.
+    load_balance_loss_weight: Weight of the Switch-style load-balance loss in
+      `MoEStats.lb_loss`.
+    router_z_loss_weight: Weight of the ST-MoE router z-loss in `MoEStats.z_loss` (1e-3 is
+      the usual choice; 0 by default).
+    expert_axis: Mesh axis the experts are sharded over.
+    stream_step_stats: Send every step's stats (required factor, fallback, drops) to the
+      host through `jax.debug.callback` when the layer is given a step
+      (`moe_hk.events.STEP_STATS_EVENT`); the step returns them either way.
+    emit_fallback_events: Call back to the host from the branch that fell back
+      (`moe_hk.events.FALLBACK_EVENT`) when the layer is given a step, so host alerts react
+      at once.
+    record_traffic: Report every device's routed rows per expert
+      (`MoEStats.routed_rows_per_device`), the traffic a capacity planner replays; off, that
+      field is empty (`[0, E]`).
+
+  Raises:
+    ValueError: When constructed with a value outside the ranges above, in one line naming
+      the field, the value and what is valid.
+  """
+
+  num_experts: int
+  num_experts_per_tok: int
+  emb_dim: int
+  mlp_dim: int
   ragged_buffer_factor: float = -1.0
-  # What happens when a shard's buffer would overflow: 'none' drops rows, 'layer' reruns the
-  # layer dropless over token chunks, 'step' runs the step dropless from its first
-  # overflowing MoE layer on: that layer and every later one take the chunked path (the layers
-  # before it fit their buffers, so their capped forward is the dropless one). Either path.
-  # 'layer' by default: no row is dropped unless asked; with the worst-case buffer (factor -1)
-  # nothing can overflow and no fallback is built, so it costs nothing there.
   moe_dropless_fallback: str = "layer"
-  # 0 picks the fewest token chunks whose worst-case buffer fits the capped one.
   dropless_fallback_num_chunks: int = 0
-  # How the 'layer' fallback chunks (both paths). 'adaptive' decides at run time from the
-  # step's traffic: the first rung of a ladder (chunk count, buffer rows per chunk: 1.26, 1.58,
-  # 2.0, ... capped buffers in all, up to 3.98, then the count above) whose every chunk fits,
-  # so an overflow costs about what its rows need. 'fixed' always runs the count above (n,
-  # sized for the worst case, whatever the overflow), one compiled branch: the shortest
-  # compile (each rung is a compiled branch). 'step' mode always runs n.
   dropless_fallback_chunking: str = "adaptive"
-  use_ring_of_experts: bool = False   # All-gather tokens instead of the ragged all-to-all.
-  a2a_impl: str = "auto"              # 'native' (TPU/GPU), 'emulated' (CPU), 'auto' by platform.
-  # 'ragged_dot' (XLA's; TPU), 'megablox' (jax's Pallas TPU kernels; TPU, interpreted on
-  # CPU), 'blocked' (CPU, GPU), or 'auto' by platform (ragged_dot on TPU, else blocked).
+  use_ring_of_experts: bool = False
+  a2a_impl: str = "auto"
   gmm_impl: str = "auto"
-  gmm_block_rows: int = 128           # Row block of the 'blocked' grouped matmul.
-  router_score: str = "softmax"       # 'softmax' over the K selected logits, or 'sigmoid'.
-  # Compute dtype of the expert matmuls (a name or a jnp dtype, stored as its name); params
-  # stay float32.
+  gmm_block_rows: int = 128
+  router_score: str = "softmax"
   dtype: str = "float32"
   load_balance_loss_weight: float = 0.01
-  router_z_loss_weight: float = 0.0   # ST-MoE z-loss weight (1e-3 is the usual choice).
-  expert_axis: str = "expert"         # Mesh axis the experts are sharded over.
-  # Stream each step's stats (required factor, fallback, drops) to the host through
-  # jax.debug.callback when the layer is given a step; the step returns them either way.
+  router_z_loss_weight: float = 0.0
+  expert_axis: str = "expert"
   stream_step_stats: bool = True
-  # Call back to the host from the branch that fell back (`moe_dropless_fallback_layers`
-  # events) when the layer is given a step, so host alerts react at once.
   emit_fallback_events: bool = True
-  # Report every device's routed rows per expert (`MoEStats.routed_rows_per_device`), the
-  # traffic a capacity planner replays; off, that field is empty ([0, E]).
   record_traffic: bool = False
 
   def __post_init__(self):

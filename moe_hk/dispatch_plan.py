@@ -34,7 +34,8 @@ def worst_case_factor(num_experts: int, k: int, expert_shards: int) -> float:
 
 
 def buffer_rows(num_shards: int, tokens: int, k: int, local_experts: int, factor: float) -> int:
-  """Receive-buffer rows R: `floor(N * factor)` capped at the worst case; `factor=-1` is the worst case."""
+  """Receive-buffer rows R: `floor(N * factor)` capped at the worst case; `factor=-1` is the
+  worst case."""
   worst = worst_case_rows(num_shards, tokens, k, local_experts)
   if factor == -1:
     return worst

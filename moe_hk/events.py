@@ -6,8 +6,9 @@ its shard_map, so one callback per step and layer, not one per device:
 * `FALLBACK_EVENT` (`moe_dropless_fallback_layers`), from the branch that fell back, only when
   it runs (`MoEConfig.emit_fallback_events`): the host learns of an overflow at once, while
   the step's stats wait on the device for the trainer's next fetch.
-* `CAPPED_EVENT`, with `MoEConfig.stream_step_stats`: every step's stats also
-  when nothing fell back, for users of the bare layer who have no train step returning them.
+* `STEP_STATS_EVENT` (`moe_step_stats`), with `MoEConfig.stream_step_stats`: every step's
+  stats when nothing fell back (capped or not), for users of the bare layer who have no train
+  step returning them.
 
 A rematerialised forward calls back again when it is recomputed under grad, and every process
 reports, so events carry (step, layer, process) and the host keeps one record per
@@ -29,12 +30,12 @@ import jax.numpy as jnp
 import numpy as np
 
 FALLBACK_EVENT = "moe_dropless_fallback_layers"  # emitted from the branch that fell back
-CAPPED_EVENT = "moe_capped"                      # emitted when the capped path ran
+STEP_STATS_EVENT = "moe_step_stats"              # the stats of a step that did not fall back
 
 
 class LayerEvent(NamedTuple):
   """One report of one MoE layer in one step (numpy values)."""
-  name: str          # FALLBACK_EVENT or CAPPED_EVENT.
+  name: str          # FALLBACK_EVENT or STEP_STATS_EVENT.
   step: int
   layer: int         # 0-based ordinal among the model's MoE layers.
   process: int       # The reporting process (jax.process_index()).
@@ -103,19 +104,19 @@ def _deliver_stacked(stats_type: type, layout: tuple, ints, floats) -> None:
 def emit_layer_event(stats: tuple, *, step: jax.Array, layer: jax.Array, process: int,
                      every_step: bool, can_fall_back: bool) -> None:
   """Calls back to the host with this layer's `MoEStats`: a `FALLBACK_EVENT` when
-  `stats.fallback` is set, and, if `every_step`, a `CAPPED_EVENT` otherwise. A layer that
+  `stats.fallback` is set, and, if `every_step`, a `STEP_STATS_EVENT` otherwise. A layer that
   cannot fall back (`can_fall_back` False: no fallback built, e.g. the worst-case buffer)
-  sends its `CAPPED_EVENT` without a cond."""
+  sends its `STEP_STATS_EVENT` without a cond."""
   layout, ints, floats = _pack([step, layer, jnp.int32(process)], stats)
   def send(name):
     return lambda: jax.debug.callback(functools.partial(_deliver, name, type(stats), layout),
                                       ints, floats)
   if not can_fall_back:
     if every_step:
-      send(CAPPED_EVENT)()
+      send(STEP_STATS_EVENT)()
     return
   jax.lax.cond(stats.fallback > 0, send(FALLBACK_EVENT),
-               send(CAPPED_EVENT) if every_step else lambda: None)
+               send(STEP_STATS_EVENT) if every_step else lambda: None)
 
 
 def emit_stacked_fallback_events(stats: tuple, *, step: jax.Array, process: int) -> None:

@@ -28,10 +28,9 @@ forward's recompute is dead code that XLA removes, so the extra forward costs no
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
-from typing import Callable, Iterator, NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -40,8 +39,8 @@ from moe_hk.dispatch_plan import chunk_receiver_rows, worst_case_rows
 from moe_hk.routing import tokens_per_expert
 
 # chunk_loop(body, n): runs body(i) for chunk i = 0 .. n - 1 (each `[T / n, ...]`) and stacks
-# the results `[n, T / n, ...]`. `scan_chunks` is the only one the library uses
-# (`traced_forms`).
+# the results `[n, T / n, ...]`. The layer runs `scan_chunks`; measurements pass another (the
+# naive unrolled loop) through `moe_forward`'s private `_chunk_loop`.
 ChunkLoop = Callable[[Callable[[jax.Array], jax.Array], int], jax.Array]
 
 
@@ -84,32 +83,6 @@ def scan_chunks(body: Callable[[jax.Array], jax.Array], num_chunks: int) -> jax.
   return jax.lax.scan(lambda carry, i: (carry, body(i)), None, jnp.arange(num_chunks))[1]
 
 
-def unrolled_chunks(body: Callable[[jax.Array], jax.Array], num_chunks: int) -> jax.Array:
-  """The naive chunk loop `scan_chunks` is measured against (never a mode users pick): a
-  Python loop, so every chunk's residuals stay alive until the backward."""
-  return jnp.stack([body(i) for i in range(num_chunks)])
-
-
-def traced_forms() -> tuple[ChunkLoop, "Ladder"]:
-  """The chunk loop and the adaptive ladder a layer traces with: `scan_chunks` and
-  `traffic_ladder`, except inside `_comparison_forms`."""
-  return _TRACED["chunk_loop"], _TRACED["ladder"]
-
-
-@contextlib.contextmanager
-def _comparison_forms(*, chunk_loop: ChunkLoop | None = None, ladder: "Ladder | None" = None
-                      ) -> Iterator[None]:
-  """The one seam for measurements: layers traced inside this block use `chunk_loop` and/or
-  `ladder` instead of the library's (the unrolled loop the scan is measured against, the
-  benchmarks' earlier ladder). Not for training: these forms are what the library avoids."""
-  saved = dict(_TRACED)
-  _TRACED.update({k: v for k, v in (("chunk_loop", chunk_loop), ("ladder", ladder)) if v})
-  try:
-    yield
-  finally:
-    _TRACED.update(saved)
-
-
 def token_chunks(a: jax.Array, n: int) -> jax.Array:
   """`[B, S, ...]` -> `[n, B * S / n, ...]`: n contiguous blocks of the (b, s)-ordered tokens."""
   return a.reshape(n, a.shape[0] * a.shape[1] // n, *a.shape[2:])
@@ -148,10 +121,6 @@ LADDER_GROWTH = 10 ** 0.1
 # a compiled switch branch: on a v5p topology one 1024-wide layer compiled in 21 s with fixed
 # chunking and 219 s with six rungs (benchmarks/fallback_memory.py, jax 0.10).
 LADDER_RUNGS = 6
-
-# ladder(seq=S, capped_rows=R, worst_rows=P * T * min(K, L), max_chunks=n) -> the rungs the
-# adaptive fallback picks from, fewest total rows first; the last is `fixed_rung`.
-Ladder = Callable[..., tuple[Rung, ...]]
 
 
 def fixed_rung(*, capped_rows: int, worst_rows: int, max_chunks: int) -> Rung:
@@ -252,6 +221,3 @@ def cond_with_recompute(pred: jax.Array, true_fn, false_fn, operands, aux):
   `switch_with_recompute` over `(false_fn, true_fn)`."""
   return switch_with_recompute(jnp.asarray(pred, jnp.bool_), (false_fn, true_fn), operands, aux)
 
-
-# What `traced_forms` returns; only `_comparison_forms` changes it, for the block it guards.
-_TRACED = {"chunk_loop": scan_chunks, "ladder": traffic_ladder}

@@ -190,10 +190,10 @@ def expert_mlp(x: jax.Array, wi_0: jax.Array, wi_1: jax.Array, wo: jax.Array,
   0 past the groups. The gradient of x's rows past the groups is 0, except with 'megablox'
   (undefined). `interpret` runs the 'megablox' kernels in Pallas's interpreter (CPU).
   """
+  assert impl in ("ragged_dot", "blocked", "megablox"), (
+      f"gmm impl {impl!r}: resolve_backends picks it")
   if impl == "ragged_dot":
     return ragged_dot_expert_mlp(x, wi_0, wi_1, wo, group_sizes)
   if impl == "blocked":
     return blocked_expert_mlp(x, wi_0, wi_1, wo, group_sizes, block_rows)
-  if impl == "megablox":
-    return megablox.expert_mlp(x, wi_0, wi_1, wo, group_sizes, interpret)
-  raise ValueError(f"gmm_impl={impl!r} must be 'ragged_dot', 'blocked' or 'megablox' here.")
+  return megablox.expert_mlp(x, wi_0, wi_1, wo, group_sizes, interpret)

@@ -20,9 +20,27 @@ FSDP_AXIS = "fsdp"
 
 def make_mesh(data: int = 1, fsdp: int = 1, expert: int = 1,
               devices: Sequence[jax.Device] | None = None) -> Mesh:
-  """Mesh with axes ('data', 'fsdp', 'expert') and Auto axis types (what shard_map expects).
+  """Creates the mesh the MoE layer runs on: axes `('data', 'fsdp', 'expert')`.
 
-  `devices` defaults to all local devices; their count must equal data * fsdp * expert.
+  The axes are `Auto` (what `shard_map` expects; `jax.make_mesh` defaults to `Explicit`). The
+  layer shards the batch over all three axes, expert weights over `expert` and their
+  embedding dimension over `fsdp`. Any mesh that has `MoEConfig.expert_axis` works too, e.g.
+  `jax.sharding.Mesh(devices, ('data', 'expert'))`.
+
+  Args:
+    data: Size of the `data` axis (pure data parallelism).
+    fsdp: Size of the `fsdp` axis (data parallelism with weights sharded on D).
+    expert: Size of the `expert` axis: P, the expert-parallel degree. It must divide
+      `MoEConfig.num_experts` (checked when the layer first sees the mesh).
+    devices: The devices, `data * fsdp * expert` of them, in mesh order (the last axis
+      fastest); all of `jax.devices()` by default.
+
+  Returns:
+    A `jax.sharding.Mesh` of shape `(data, fsdp, expert)`.
+
+  Raises:
+    ValueError: An axis size is not a positive integer, or the sizes' product is not the
+      number of devices.
   """
   sizes = dict(zip(AXES, (data, fsdp, expert)))
   devices = list(jax.devices() if devices is None else devices)
@@ -55,9 +73,25 @@ def expert_weight_spec(mesh: Mesh, config: MoEConfig, embedding_dim: int) -> P:
   return P(*spec)
 
 
-def validate_mesh(config: MoEConfig, mesh: Mesh) -> None:
-  """Checks the expert axis exists and divides the experts (`check_axes` of the mesh)."""
+def check_layer(config: MoEConfig, mesh: Mesh, x_shape: Sequence[int], x_dtype) -> None:
+  """Checks that a layer of `config` can run on `mesh` with input `x [B, S, D]`.
+
+  `moe_hk.moe_forward` and `moe_hk.MoELayer` call it before they trace anything; a caller that
+  builds a whole step can call it once, up front, with the input's shape and dtype.
+
+  Args:
+    config: The layer's settings (already validated on their own by `MoEConfig`).
+    mesh: The mesh the layer runs on.
+    x_shape: Shape of the layer's global input, `(B, S, D)`.
+    x_dtype: Dtype of the layer's input.
+
+  Raises:
+    ValueError: In one line naming the value: the mesh has no `config.expert_axis`, its size
+      does not divide `num_experts`, the `fsdp` axis does not divide `emb_dim`, x is not
+      `[B, S, emb_dim]` float32 or bfloat16, or B is not divisible by the mesh's devices.
+  """
   check_axes(config, dict(mesh.shape))
+  check_input(config, mesh, x_shape, x_dtype)
 
 
 def check_axes(config: MoEConfig, sizes: Mapping[str, int]) -> None:
@@ -78,7 +112,7 @@ def check_axes(config: MoEConfig, sizes: Mapping[str, int]) -> None:
         f"'{FSDP_AXIS}' ({sizes[FSDP_AXIS]}).")
 
 
-def validate_input(config: MoEConfig, mesh: Mesh, shape: tuple[int, ...], dtype) -> None:
+def check_input(config: MoEConfig, mesh: Mesh, shape: Sequence[int], dtype) -> None:
   """Checks x is `[B, S, D]` float32 or bfloat16, with D = emb_dim and B divisible by the
   device count."""
   if jnp.dtype(dtype).name not in DTYPES:

@@ -41,6 +41,7 @@ def route(x: jax.Array, router_w: jax.Array, k: int, score: str = "softmax") -> 
   selected logit on its own, so top-1 weights still carry a gradient to the router.
   A token whose logits are not all finite goes to expert `unrouted_id` with weight 0.
   """
+  assert score in ("softmax", "sigmoid"), f"router score {score!r}: MoEConfig checks it"
   x = x.astype(jnp.float32)
   num_experts = router_w.shape[-1]
   # A non-finite x makes every logit non-finite (x * 0 is NaN for inf and NaN), so zeroing its
@@ -54,10 +55,8 @@ def route(x: jax.Array, router_w: jax.Array, k: int, score: str = "softmax") -> 
   top_logits, expert_ids = jax.lax.top_k(logits, k)  # [T, K]
   if score == "softmax":
     weights = jax.nn.softmax(top_logits, axis=-1)
-  elif score == "sigmoid":
-    weights = jax.nn.sigmoid(top_logits)
   else:
-    raise ValueError(f"router score {score!r} is not one of 'softmax', 'sigmoid'.")
+    weights = jax.nn.sigmoid(top_logits)
   expert_ids = jnp.where(finite[:, None], expert_ids.astype(jnp.int32),
                          unrouted_id(num_experts))
   return Routing(expert_ids, jnp.where(finite[:, None], weights, 0),

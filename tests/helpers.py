@@ -2,7 +2,6 @@
 launcher's tiny config with a step cache (no test module imports another)."""
 from __future__ import annotations
 
-import functools
 import json
 import os
 import socket
@@ -13,6 +12,7 @@ import ml_collections
 import pytest
 
 import moe_hk
+from launch import settings
 from launch.configs import tiny
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -85,6 +85,11 @@ def tiny_config(**overrides) -> ml_collections.ConfigDict:
   return c
 
 
+def settings_of(config: ml_collections.ConfigDict, devices: int | None = None):
+  """`launch.settings.build` of `config` for this process's devices (or `devices`)."""
+  return settings.build(config, jax.device_count() if devices is None else devices)
+
+
 # Config keys the compiled steps never read (the loop's intervals, the host's data source, the
 # autopilot's section, the traffic recorder's size), per section ('' for the top level): runs
 # that differ only in them share their steps.
@@ -97,19 +102,20 @@ HOST_ONLY_KEYS = {
 
 
 def cached_make_steps(make_steps):
-  """`make_steps` memoised on the config's contents (less HOST_ONLY_KEYS) and the mesh:
-  runs of one model in one test process share their jitted, so compiled, steps, as one long
-  run would."""
-  @functools.lru_cache(maxsize=None)
-  def build(config_json: str, mesh):
-    return make_steps(ml_collections.ConfigDict(json.loads(config_json)), mesh)
+  """`make_steps` memoised on the config's contents (less HOST_ONLY_KEYS), the MoE layers'
+  config and the mesh: runs of one model in one test process share their jitted, so
+  compiled, steps, as one long run would."""
+  cache = {}
 
-  def cached(config, mesh, *args, **kwargs):
+  def cached(run_settings, mesh, *args, **kwargs):
     if args or kwargs:
-      return make_steps(config, mesh, *args, **kwargs)
-    key = json.loads(config.to_json())
+      return make_steps(run_settings, mesh, *args, **kwargs)
+    key = json.loads(run_settings.config.to_json())
     for section, names in HOST_ONLY_KEYS.items():
       for name in names:
         (key[section] if section else key).pop(name, None)
-    return build(json.dumps(key, sort_keys=True), mesh)
+    key = (json.dumps(key, sort_keys=True), run_settings.layer, mesh)
+    if key not in cache:
+      cache[key] = make_steps(run_settings, mesh)
+    return cache[key]
   return cached

@@ -8,9 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
-from moe_hk import MoEConfig, MoEParams, mesh as mesh_lib, param_specs, sharded
+from moe_hk import MoEConfig, MoEParams, mesh as mesh_lib, mesh_forward, param_specs
 from moe_hk.ragged_path import ExpertWeights
-from moe_hk.shard_layer import moe_shard
+from moe_hk.shard_forward import moe_shard
 from tests import reference
 
 
@@ -66,8 +66,8 @@ def reference_outputs_and_grads(params, x, cotangent, keep=None, *, k: int,
 
 def per_device_stats(config: MoEConfig, mesh: Mesh, params: MoEParams, x, fields: tuple[str, ...]):
   """Runs one shard's layer on every device; returns `y` and, per name in `fields`, that
-  `ShardStats` field as seen by each device `[num_devices]` (before any reduction)."""
-  backends = sharded.resolve_backends(config, mesh)
+  `MoEStats` field as seen by each device `[num_devices]` (before any reduction)."""
+  backends = mesh_forward.resolve_backends(config, mesh)
   axes = tuple(mesh.axis_names)
 
   def per_device(x_, router_w, wi_0, wi_1, wo):

@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 
 import moe_hk
-from benchmarks.fallback_variants import two_rung_ladder
 from moe_hk import dispatch_plan, fallback
 from tests import reference
 from tests.moe_inputs import dense_reference, outputs_and_grads, per_device_stats, skewed_inputs
@@ -130,16 +129,6 @@ def test_traffic_ladder_with_requested_chunks():
   buffer (4096 rows), so every rung runs 8 chunks, of fewer rows than the fixed one."""
   assert fallback.traffic_ladder(seq=512, capped_rows=16384, worst_rows=32768,
                                  max_chunks=8) == ((8, 2579), (8, 3246), (8, 4096))
-
-
-def test_two_rung_ladder():
-  """The earlier ladder, kept for the benchmarks: p chunks of the capped buffer, then n."""
-  assert two_rung_ladder(seq=256, capped_rows=6144, worst_rows=32768,
-                         max_chunks=8) == ((2, 6144), (8, 4096))
-  assert two_rung_ladder(seq=63, capped_rows=400, worst_rows=1260,
-                         max_chunks=9) == ((3, 400), (9, 140))
-  assert two_rung_ladder(seq=49, capped_rows=70, worst_rows=490,
-                         max_chunks=7) == ((7, 70),)
 
 
 def test_rung_choice_matches_loops():

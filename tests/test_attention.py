@@ -1,4 +1,4 @@
-"""launch.attention: the XLA and splash forms against a dense reference (outputs and gradients),
+"""launch.training.attention: the XLA and splash forms against a dense reference (outputs and gradients),
 the splash form compiled for a v5p topology, and the choice of form per platform.
 
 The cuDNN form is not tested here: `jax.nn.dot_product_attention(implementation='cudnn')` does
@@ -14,7 +14,8 @@ import pytest
 from jax.sharding import NamedSharding
 
 import moe_hk
-from launch import attention, xla_programs
+from launch.compiling import memory, topology
+from launch.training import attention
 from moe_hk import mesh as mesh_lib
 from tests.helpers import require_libtpu
 from tests.tree_close import assert_trees_close
@@ -83,7 +84,7 @@ def test_splash_form_compiles_for_v5p():
   """Value and grad of bf16 splash attention, batch sharded over a 4-chip v5p mesh, under the
   suite's 'highest' default matmul precision (which Mosaic refuses unless the form pins it)."""
   require_libtpu()
-  mesh = moe_hk.make_mesh(data=2, expert=2, devices=xla_programs.tpu_topology_devices("v5p:2x2x1"))
+  mesh = moe_hk.make_mesh(data=2, expert=2, devices=topology.tpu_topology_devices("v5p:2x2x1"))
   sharding = NamedSharding(mesh, mesh_lib.batch_spec(mesh))
   b, s, g, r, dh = 4, 256, 2, 2, 128
   q = jax.ShapeDtypeStruct((b, s, g, r, dh), jnp.bfloat16, sharding=sharding)

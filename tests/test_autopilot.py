@@ -1,4 +1,4 @@
-"""The buffer-factor autopilot's host logic: the ladder, lowering, raising, hysteresis, the
+"""The buffer-factor autopilot's host logic: the candidate factors, lowering, raising, hysteresis, the
 program cache's memory and recompile budgets (the end-to-end run is in test_launch)."""
 import math
 import threading
@@ -7,22 +7,24 @@ from typing import NamedTuple
 import numpy as np
 import pytest
 
-from launch import autopilot, step_time
+import moe_hk
+from launch.configs import tiny
+from launch.planning import autopilot, step_model as step_time
 from metrics.alerts import AlertManager
 
 
-def test_ladder_is_multiples_of_the_rung_up_to_the_worst_case():
-  np.testing.assert_allclose(autopilot.ladder(0.125, 0.5), [0.125, 0.25, 0.375, 0.5])
-  np.testing.assert_allclose(autopilot.ladder(0.5, 1.75), [0.5, 1.0, 1.5, 1.75])
+def test_candidate_factors_are_multiples_of_the_step_up_to_the_worst_case():
+  np.testing.assert_allclose(autopilot.candidate_factors(0.125, 0.5), [0.125, 0.25, 0.375, 0.5])
+  np.testing.assert_allclose(autopilot.candidate_factors(0.5, 1.75), [0.5, 1.0, 1.5, 1.75])
 
 
 def _controller(**kw):
-  args = dict(factor=3.0, target=0.1, worst_case=4.0, window=20, rung=0.25)
+  args = dict(factor=3.0, target=0.1, worst_case=4.0, window=20, factor_step=0.25)
   args.update(kw)
   return autopilot.FactorController(args.pop("factor"), **args)
 
 
-def test_lowers_after_a_full_window_to_the_smallest_rung_meeting_the_target():
+def test_lowers_after_a_full_window_to_the_smallest_candidate_meeting_the_target():
   c = _controller()
   required = [1.1] * 18 + [1.6, 1.9]  # 2 of 20 steps (10%) need more than 1.5
   for i, r in enumerate(required):
@@ -65,16 +67,32 @@ def test_refused_factors_are_skipped_and_state_round_trips():
 
 
 @pytest.mark.parametrize("kw,pattern", [
-    (dict(target=0.0), "target_fallback_frequency=0.0"),
+    (dict(target_fallback_frequency=0.0), "target_fallback_frequency=0.0"),
     (dict(window=2), r"autopilot\.window=2"),
     (dict(objective="speed"), "objective='speed' is invalid: must be one of 'throughput', "
                               "'fallback_frequency'"),
-    (dict(max_frequency=1.5), r"max_fallback_frequency=1\.5 must be in \(0, 1\]"),
-    (dict(objective="throughput"), "the throughput objective needs the step's pricing"),
+    (dict(max_fallback_frequency=1.5), r"max_fallback_frequency=1\.5 must be in \(0, 1\]"),
+    (dict(max_programs=0), r"max_programs=0 must be >= 1"),
+    (dict(memory_budget_gib=-1.0), r"memory_budget_gib=-1\.0 must be >= 0"),
 ])
 def test_bad_settings(kw, pattern):
+  """`config.autopilot` is checked once, where the config is built (`launch.settings`)."""
+  section = tiny.get_config().autopilot
+  section.update(enabled=True, **kw)
+  layer = moe_hk.MoEConfig(8, 2, 16, 32, ragged_buffer_factor=2.0)
+  autopilot.check_settings(tiny.get_config().autopilot, layer)  # the defaults are valid
   with pytest.raises(ValueError, match=pattern):
-    _controller(**kw)
+    autopilot.check_settings(section, layer)
+
+
+def test_the_autopilot_needs_a_capped_buffer_and_a_fallback():
+  section = tiny.get_config().autopilot
+  section.enabled = True
+  for layer in (moe_hk.MoEConfig(8, 2, 16, 32, ragged_buffer_factor=-1),
+                moe_hk.MoEConfig(8, 2, 16, 32, ragged_buffer_factor=2.0,
+                                 moe_dropless_fallback="none")):
+    with pytest.raises(ValueError, match="needs a capped buffer .* and a fallback"):
+      autopilot.check_settings(section, layer)
 
 
 def test_program_cache_compiles_in_the_background_within_its_budgets():
@@ -117,7 +135,7 @@ def true_step(factor: float, required: np.ndarray, chunk_scale: float = 1.0) -> 
 
 
 def _throughput(factor, **kw):
-  args = dict(target=0.01, worst_case=4.0, window=20, rung=0.25, objective="throughput",
+  args = dict(target=0.01, worst_case=4.0, window=20, factor_step=0.25, objective="throughput",
               max_frequency=0.5, pricing=autopilot.Pricing(FLOPS, chunks))
   args.update(kw)
   return autopilot.FactorController(factor, **args)
@@ -149,7 +167,7 @@ def test_throughput_moves_to_the_fastest_factor_within_the_guard():
   c = _throughput(2.5)  # some layers overflow: the intervals separate a chunk from a step
   _feed(c, required, chunk_scale=5.0)
   prices = c.prices()
-  candidates = [f for f in c.ladder if c.predicted_frequency(f) <= 0.5]
+  candidates = [f for f in c.candidates if c.predicted_frequency(f) <= 0.5]
   assert sorted(prices) == sorted(map(float, candidates)) and 2.5 in prices
   for f, estimate in prices.items():  # one factor measured: the FLOPs and the chunk fit are exact
     np.testing.assert_allclose(estimate.seconds, true_step(f, required, 5.0), rtol=1e-9)

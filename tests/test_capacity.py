@@ -13,7 +13,9 @@ import pytest
 from absl import app, flags
 from absl.testing import flagsaver
 
-from launch import capacity
+from launch.errors import UserError
+from launch import capacity, cli as cli_lib
+from launch.planning import replay
 from metrics.traffic import Traffic, TrafficRecorder, read_traffic
 from tests.helpers import ROOT
 
@@ -311,7 +313,7 @@ def brute_force(traffic: Traffic, factor: float, shards: int) -> dict:
 @pytest.mark.parametrize("shards", [None, 2, 8])
 def test_plan_matches_explicit_loops(run, shards):
   traffic = read_traffic(str(run[0]))
-  planned = capacity.plan(traffic, FACTORS, shards)
+  planned = replay.plan(traffic, FACTORS, shards)
   for got, factor in zip(planned, FACTORS, strict=True):
     want = brute_force(traffic, factor, shards or SHARDS)
     assert got.keys() == want.keys()
@@ -325,7 +327,7 @@ def test_plan_matches_explicit_loops(run, shards):
 @pytest.mark.parametrize("shards", [None, 2, 8])
 def test_a_larger_buffer_never_falls_back_more(run, shards):
   factors = np.linspace(0.5, 4.5, 33)
-  planned = capacity.plan(read_traffic(str(run[0])), factors, shards)
+  planned = replay.plan(read_traffic(str(run[0])), factors, shards)
   for key in ("fallback_frequency", "overflowing_layers_mean", "would_drop_fraction"):
     values = [r[key] for r in planned]
     assert values[0] > 0 and all(np.diff(values) <= 0), (key, values)
@@ -340,13 +342,13 @@ def test_plan_refuses_a_regrouping_that_does_not_divide(shards, experts, message
   traffic = Traffic(np.arange(2), np.zeros((2, 1, DEVICES, experts), np.int32), np.ones(2),
                     expert_shards=4, tokens_per_device=TOKENS, k=K)
   with pytest.raises(ValueError, match=message):
-    capacity.plan(traffic, [1.0], shards)
+    replay.plan(traffic, [1.0], shards)
 
 
 def run_main(*args: str) -> None:
   """`launch.capacity`'s main in this process, with its flags restored afterwards."""
   with flagsaver.flagsaver():
-    flags.FLAGS(["capacity", *args])
+    cli_lib.parse(["capacity", *args])
     capacity.main(["capacity"])
 
 
@@ -364,9 +366,9 @@ def test_cli_json_end_to_end(run):
   assert all(r.keys() == {"factor", "fallback_frequency", "overflowing_layers_mean",
                           "would_drop_fraction", "buffer_rows", "expert_shards"}
              for r in results)
-  factors = sorted({*capacity.DEFAULT_FACTORS, 1.5, 2.2})  # the run's factors join the default
+  factors = sorted({*replay.DEFAULT_FACTORS, 1.5, 2.2})  # the run's factors join the default
   assert [r["factor"] for r in results] == factors
-  assert results == capacity.plan(read_traffic(str(workdir)), factors)
+  assert results == replay.plan(read_traffic(str(workdir)), factors)
   with open(workdir / "capacity.png", "rb") as f:
     png = f.read()
   assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 20_000
@@ -394,7 +396,7 @@ def test_cli_table(run, capsys):
     (["--memory_budget_gib=-2"], r"--memory_budget_gib=-2 must be >= 0"),
 ])
 def test_cli_refuses_bad_input(run, args, message):
-  with pytest.raises(app.UsageError, match=message):
+  with pytest.raises((app.UsageError, UserError), match=message):
     run_main(f"--workdir={run[0]}", *args)
 
 
@@ -410,7 +412,7 @@ def test_cli_without_readable_traffic_fails_in_one_line(tmp_path, caplog):
   (tmp_path / "traffic").mkdir()
   bad = [damage(tmp_path, 0, 0, 9, b"PK\x03\x04 and then the end"),
          damage(tmp_path, 1, 10, 19, np.random.default_rng(1).bytes(100))]
-  with pytest.raises(app.UsageError) as raised:
+  with pytest.raises((app.UsageError, UserError)) as raised:
     run_main(f"--workdir={tmp_path}")
   assert str(raised.value) == (
       f"{tmp_path}/traffic holds no readable traffic (2 files skipped): run `python -m "
@@ -435,15 +437,16 @@ def test_cli_skips_unreadable_files_with_a_warning_each(damaged):
 
 def test_memory_per_factor_regroups_the_mesh(run, monkeypatch):
   """Each factor compiles the config with that factor and P expert shards, fsdp the rest."""
-  from launch import aot
+  from launch.compiling import variants
   from launch.configs import tiny
   compiled = []
 
-  def compile_variant(config, devices, variant):
-    compiled.append((dict(config.mesh), config.moe.ragged_buffer_factor, variant, len(devices)))
-    return {"total_bytes": int(1000 * config.moe.ragged_buffer_factor)}
+  def compile_variant(settings, devices, variant):
+    factor = settings.layer.ragged_buffer_factor
+    compiled.append((dict(settings.mesh), factor, variant, len(devices)))
+    return {"total_bytes": int(1000 * factor)}
 
-  monkeypatch.setattr(aot, "compile_variant", compile_variant)
+  monkeypatch.setattr(variants, "compile_variant", compile_variant)
   config, traffic = tiny.get_config(), read_traffic(str(run[0]))
   assert capacity.memory_per_factor(config, "cpu:8", [1.0, 2.5], 4, traffic) == [1000, 2500]
   assert compiled == [(dict(data=1, fsdp=2, expert=4), factor, "fallback_scan", 8)
@@ -452,7 +455,7 @@ def test_memory_per_factor_regroups_the_mesh(run, monkeypatch):
   config.mesh.data = 3
   with pytest.raises(ValueError, match="data=3 x expert=4 does not divide the 8 devices"):
     capacity.memory_per_factor(config, "cpu:8", [1.0], 4, traffic)
-  config.moe.num_experts_per_tok = 1
+  config.mesh.data, config.moe.num_experts_per_tok = 1, 1
   with pytest.raises(ValueError, match="--aot_config has 8 experts, top-1; the traffic 8, top-2"):
     capacity.memory_per_factor(config, "cpu:8", [1.0], 4, traffic)
 

@@ -1,4 +1,4 @@
-"""The entry points' command line (`launch.cli`, `launch.overrides`): every user mistake is one
+"""The entry points' command line (`launch.cli`, `launch.settings`): every user mistake is one
 line on stderr, exit status 2 for flag misuse and 1 for an invalid value, no traceback, no
 usage dump. In this process where the parsing is the subject; three subprocesses prove the
 exit status and the streams of the real commands."""
@@ -12,9 +12,9 @@ import pytest
 from absl import app, flags
 from absl.testing import flagsaver
 
-from launch import aot, capacity, cli, demo, overrides  # noqa: F401  (their flags)
+from launch import aot, capacity, cli, settings  # noqa: F401  (their flags)
 from launch.configs import tiny
-from launch.errors import UserError
+from launch.errors import UserError, user_errors
 from tests.helpers import ROOT
 
 
@@ -37,12 +37,16 @@ def one_line(stderr: str) -> str:
 
 @pytest.mark.parametrize("args,message", [
     (["--nosuch=1"], "Unknown command line flag 'nosuch' (--help lists the flags)"),
-    (["--top_k=x"], "flag --top_k=x: invalid literal for int() with base 10: 'x'"),
+    (["--time_steps=x"], "flag --time_steps=x: invalid literal for int() with base 10: 'x'"),
     (["--format=csv"], "flag --format=csv: value should be one of <table|json>"),
     # launch.aot's --config, on its default file (launch/configs/maverick.py).
     (["--config.moe.num_expert=4"], "--config.moe.num_expert: no such config key (closest: "
                                     "config.moe.num_experts, "),
-    (["--config.train_steps=abc"], "flag --config.train_steps=abc: invalid literal for int()"),
+    (["--config.train_steps=abc"], "--config.train_steps=abc: not a valid int (the key holds "
+                                   "200; --print_config lists every key and its value)."),
+    (["--config.moe.use_ring_of_experts=maybe"], "--config.moe.use_ring_of_experts=maybe: not "
+                                                 "a valid bool"),
+    (["--config.moe=1"], "--config.moe is a section: set its keys (a2a_impl, "),
 ])
 def test_flag_misuse_is_one_line_exit_2(capsys, monkeypatch, args, message):
   status, stderr = parse_fails(capsys, monkeypatch, *args)
@@ -56,7 +60,7 @@ def test_a_missing_config_file_names_the_shipped_ones(capsys, tmp_path, monkeypa
   assert status == cli.USER_ERROR
   assert one_line(stderr) == (
       f"--config=launch/configs/tny.py: no such file (from {tmp_path}). Shipped configs: "
-      f"default.py, maverick.py, tiny.py in {ROOT}/launch/configs.")
+      f"default.py, demo.py, maverick.py, tiny.py in {ROOT}/launch/configs.")
 
 
 @pytest.mark.parametrize("source,message", [
@@ -74,23 +78,36 @@ def test_a_config_file_that_gives_no_config_is_one_line(capsys, monkeypatch, tmp
 
 
 def test_the_default_config_is_found_from_another_folder(tmp_path, monkeypatch):
-  """launch.aot's --config without a value: its shipped default, with the override applied
-  (ml_collections reads overrides from sys.argv), wherever the command runs."""
+  """launch.aot's --config without a value: its shipped default, with the overrides applied
+  in order (either form, `--config.KEY=V` and `--config.KEY V`), wherever the command runs."""
   monkeypatch.chdir(tmp_path)
   # --workdir: launch.capacity's required flag (one flag registry for the modules loaded here).
-  argv = ["prog", "--workdir=unused", "--config.moe.ragged_buffer_factor=1.75"]
-  monkeypatch.setattr(sys, "argv", argv)
+  argv = ["prog", "--workdir=unused", "--config.moe.ragged_buffer_factor=1.75",
+          "--config.data.seq_len", "64", "--config.moe.ragged_buffer_factor=1.5"]
   with flagsaver.flagsaver():
     assert cli.parse(argv) == ["prog"]
-    assert flags.FLAGS.config.moe.ragged_buffer_factor == 1.75
-    assert flags.FLAGS.config.num_layers == 48  # maverick.py
+    config = aot._CONFIG.value
+    assert config.moe.ragged_buffer_factor == 1.5 and config.data.seq_len == 64
+    assert config.num_layers == 48  # maverick.py
+
+
+def test_the_config_file_is_loaded_once(monkeypatch):
+  """The file runs once however many overrides the command line has."""
+  loads = []
+  load = settings.load
+  monkeypatch.setattr(settings, "load", lambda *a, **k: loads.append(a) or load(*a, **k))
+  with flagsaver.flagsaver():
+    cli.parse(["prog", "--workdir=unused", "--config.train_steps=3", "--config.seed=4"])
+  assert [a[0] for a in loads] == [f"{ROOT}/launch/configs/maverick.py"]
+  assert aot._CONFIG.value.train_steps == 3 and aot._CONFIG.value.seed == 4
 
 
 def test_config_flag_help_lists_the_shipped_configs_and_print_config():
   help_text = flags.FLAGS["config"].help
-  assert f"Shipped configs: default.py, maverick.py, tiny.py in {ROOT}/launch/configs" in help_text
+  assert (f"Shipped configs: default.py, demo.py, maverick.py, tiny.py in {ROOT}/launch/configs"
+          in help_text)
   assert "--print_config" in help_text
-  assert flags.FLAGS["config"].default_as_str == repr(f"{ROOT}/launch/configs/maverick.py")
+  assert flags.FLAGS["config"].default == f"{ROOT}/launch/configs/maverick.py"
 
 
 def raising(error: Exception):
@@ -126,48 +143,26 @@ def test_arguments_that_are_not_flags_are_flag_misuse(capsys):
 
 def test_user_errors_turns_value_errors_into_user_errors():
   with pytest.raises(UserError, match=r"^config.x=1 must be 2\.$"):
-    with cli.user_errors():
+    with user_errors():
       raise ValueError("config.x=1 must be 2.")
   with pytest.raises(KeyError):
-    with cli.user_errors():
+    with user_errors():
       raise KeyError("a bug")
 
 
 def test_print_config_lines_set_every_key():
-  lines = overrides.as_flags(tiny.get_config())
+  lines = settings.as_flags(tiny.get_config())
   assert "--config.moe.num_experts=8" in lines and "--config.dtype=float32" in lines
   assert "--config.data.pattern=''" in lines  # an empty string, as a shell reads it
   assert "--config.moe.use_ring_of_experts=False" in lines
   nested = ml_collections.ConfigDict(dict(a=1, b=dict(c="x y", d=dict(e=0.5))))
-  assert overrides.as_flags(nested, "cfg") == ["--cfg.a=1", "--cfg.b.c='x y'",
-                                               "--cfg.b.d.e=0.5"]
-
-
-DEMO_FLAGS = ("shards", "experts", "top_k", "factor", "skew", "batch", "seq")
-
-
-@pytest.mark.parametrize("changes,message", [
-    (dict(top_k=0), "--top_k=0: must be in [1, --experts=16]."),
-    (dict(top_k=3, experts=2, shards=2), "--top_k=3: must be in [1, --experts=2]."),
-    (dict(factor=0.0), "--factor=0.0: must be a buffer factor > 0 (1.0: the balanced rows)."),
-    (dict(skew=float("nan")), "--skew=nan: must be a finite number."),
-    (dict(shards=3), "--shards=3: must be a divisor of the 8 devices."),
-    (dict(experts=12), "--experts=12: must be a positive multiple of --shards=8 "),
-    (dict(batch=12), "--batch=12: must be a positive multiple of the 8 devices "),
-    (dict(seq=0), "--seq=0: must be at least 1."),
-])
-def test_demo_names_the_flag_its_value_and_what_is_valid(changes, message):
-  defaults = {name: flags.FLAGS[name].default for name in DEMO_FLAGS}
-  demo.check_flags(**defaults, devices=8)  # the defaults run
-  with pytest.raises(UserError) as raised:
-    demo.check_flags(**defaults | changes, devices=8)
-  assert str(raised.value).startswith(message)
+  assert settings.as_flags(nested, "cfg") == ["--cfg.a=1", "--cfg.b.c='x y'",
+                                              "--cfg.b.d.e=0.5"]
 
 
 def test_capacity_aot_config_without_topology_is_flag_misuse(tmp_path):
   with flagsaver.flagsaver():
-    flags.FLAGS(["capacity", f"--workdir={tmp_path}",
-                 f"--aot_config={ROOT}/launch/configs/tiny.py"])
+    cli.parse(["capacity", f"--workdir={tmp_path}", f"--aot_config={ROOT}/launch/configs/tiny.py"])
     with pytest.raises(app.UsageError, match="go together") as raised:
       capacity.main(["capacity"])
   assert raised.value.exitcode == cli.FLAG_MISUSE
@@ -203,6 +198,8 @@ def test_unknown_flag_exit_2():
 
 
 def test_demo_bad_flag_is_one_line_exit_1():
-  done = command("launch.demo", "--top_k=0")
-  assert (done.returncode, done.stderr) == (
-      cli.USER_ERROR, "launch.demo: error: --top_k=0: must be in [1, --experts=16].\n")
+  """The demo's layer comes from its config, checked by the launcher's one path."""
+  done = command("launch.demo", "--config.moe.num_experts_per_tok=0")
+  assert (done.returncode, done.stderr.splitlines()[-1]) == (
+      cli.USER_ERROR, "launch.demo: error: MoEConfig.num_experts_per_tok=0 is invalid: must be a "
+                      "positive integer.")

@@ -1,10 +1,10 @@
-"""`launch.flops`: matmul FLOPs of a traced program, loops at their trip counts."""
+"""`launch.planning.flops`: matmul FLOPs of a traced program, loops at their trip counts."""
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 import moe_hk
-from launch import flops
+from launch.planning import flops
 from moe_hk import megablox
 
 

@@ -20,11 +20,15 @@ import numpy as np
 import pytest
 
 import moe_hk
-from launch import aot, capacity, model, overrides, trainer
+from launch import settings as settings_lib
+from launch.compiling import variants
 from launch.errors import UserError
+from launch.planning import replay
+from launch.training import reporter as reporter_lib, trainer
 from metrics import traffic
 from metrics.event_files import read_histograms, read_images, read_scalars
-from tests.helpers import ROOT, TINY, TINY_FLAGS, cached_make_steps, free_port, tiny_config
+from tests.helpers import (ROOT, TINY, TINY_FLAGS, cached_make_steps, free_port, settings_of,
+                           tiny_config)
 
 # Every test here shares one worker's step cache and the baseline run (tests/conftest.py
 # WORKER_GROUPS).
@@ -65,7 +69,7 @@ def baseline(tmp_path_factory) -> Baseline:
   printed = io.StringIO()
   with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(printed):
     patch.setattr(trainer, "make_steps", _STEPS)
-    losses = trainer.train_and_evaluate(run_config(), workdir)
+    losses = trainer.train_and_evaluate(settings_of(run_config()), workdir)
   return Baseline(workdir, losses, printed.getvalue())
 
 
@@ -142,15 +146,16 @@ def test_overflowing_run_trains_logs_alerts_records_and_checkpoints(baseline):
   assert set(where["receivers"]) <= set(range(8)) and set(where["hot_experts"]) <= set(range(8))
   assert "layer 0: expert shards" in first["message"]
   assert sorted(os.listdir(os.path.join(workdir, "checkpoints")))[-1] == "8"
-  # What prices other factors (launch.step_time): the run's chunking and matmul FLOPs, which at
-  # factor 1 are the 6 x active parameters x tokens (+ attention) of `launch.aot.model_flops`.
+  # What prices other factors (launch.planning.step_model): the run's chunking and matmul FLOPs,
+  # which at factor 1 are the 6 x active parameters x tokens (+ attention) of
+  # `launch.compiling.variants.model_flops`.
   assert recorded.shape[:3] == (32, False, 0)
-  flops = aot.model_flops(run_config())
+  flops = variants.model_flops(settings_of(run_config()), jax.devices())
   np.testing.assert_allclose(recorded.shape.flops_fixed + recorded.shape.flops_per_factor,
                              flops["six_n_t"] + flops["attention_flops"], rtol=1e-12)
   assert 0 < recorded.shape.flops_per_factor < recorded.shape.flops_fixed
   # The planner on the recorded traffic.
-  [at_run] = capacity.plan(recorded, [FACTOR])
+  [at_run] = replay.plan(recorded, [FACTOR])
   assert at_run["fallback_frequency"] == pytest.approx(np.mean([f > 0 for f in fallbacks]))
   assert at_run["overflowing_layers_mean"] == pytest.approx(np.mean(fallbacks))
 
@@ -161,22 +166,22 @@ def test_an_interval_is_written_while_the_next_step_runs(baseline, tmp_path, mon
   before an eval, a checkpoint and at the end, at once. Every step is still written, with
   the baseline's losses."""
   dispatched, fetches = [0], []
-  def counted(config, mesh):
-    steps = _STEPS(config, mesh)
+  def counted(settings, mesh):
+    steps = _STEPS(settings, mesh)
     def train(state, batch):
       dispatched[0] += 1
       return steps.train(state, batch)
     return steps._replace(train=train)
-  flush = trainer._Reporter.flush
+  flush = reporter_lib.Reporter.flush
   def recorded(self, pending, **kwargs):
     if pending:
       fetches.append(([p.step for p in pending], dispatched[0]))
     flush(self, pending, **kwargs)
   monkeypatch.setattr(trainer, "make_steps", counted)
-  monkeypatch.setattr(trainer._Reporter, "flush", recorded)
+  monkeypatch.setattr(reporter_lib.Reporter, "flush", recorded)
   # log_every=2; a checkpoint after step 0 (the first), eval and checkpoint after steps 3
   # and 7 (tiny config: every 4): (steps fetched, steps dispatched by then).
-  losses = trainer.train_and_evaluate(run_config(log_every=2), str(tmp_path))
+  losses = trainer.train_and_evaluate(settings_of(run_config(log_every=2)), str(tmp_path))
   assert fetches == [([0], 1), ([1], 3), ([2, 3], 4), ([4, 5], 7), ([6, 7], 8)]
   np.testing.assert_allclose(losses, baseline.losses, rtol=1e-6)
   scalars = read_scalars(str(tmp_path))
@@ -203,9 +208,9 @@ def test_resumed_run_matches_uninterrupted_run(tmp_path):
     c.data.source, c.data.pattern = "files", pattern
     return c
   pattern = _text_corpus(tmp_path / "corpus")
-  straight = trainer.train_and_evaluate(config(), str(tmp_path / "straight"))
-  first = trainer.train_and_evaluate(config(), str(tmp_path / "resumed"), stop_after=3)
-  rest = trainer.train_and_evaluate(config(), str(tmp_path / "resumed"))
+  straight = trainer.train_and_evaluate(settings_of(config()), str(tmp_path / "straight"))
+  first = trainer.train_and_evaluate(settings_of(config()), str(tmp_path / "resumed"), stop_after=3)
+  rest = trainer.train_and_evaluate(settings_of(config()), str(tmp_path / "resumed"))
   assert len(first) == 3 and len(rest) == 5  # resumed from a step that is not a save interval
   np.testing.assert_allclose(first + rest, straight, rtol=1e-6)
   a, b = (read_scalars(str(tmp_path / run)) for run in ("straight", "resumed"))
@@ -229,11 +234,11 @@ def test_step_mode_matches_layer_fallback(baseline, tmp_path):
     c.moe.moe_dropless_fallback = name
     return c
   layer_dir, layer, _ = baseline
-  step_mode = trainer.train_and_evaluate(mode("step"), str(tmp_path / "step"))
+  step_mode = trainer.train_and_evaluate(settings_of(mode("step")), str(tmp_path / "step"))
   # The 'none' run also shows `moe_metrics=False`: training scalars only, nothing of the MoE's.
   quiet_config = mode("none", moe_metrics=False)
   quiet_config.moe.emit_fallback_events = False
-  capped = trainer.train_and_evaluate(quiet_config, str(tmp_path / "none"))
+  capped = trainer.train_and_evaluate(settings_of(quiet_config), str(tmp_path / "none"))
   quiet = read_scalars(str(tmp_path / "none"))
   np.testing.assert_allclose([quiet["train/loss"][s] for s in range(8)], capped, rtol=1e-6)
   assert not [t for t in quiet if t.startswith(("moe/", "learning/moe"))], sorted(quiet)
@@ -248,7 +253,7 @@ def test_step_mode_matches_layer_fallback(baseline, tmp_path):
   # One compiled step (the run's own), its train state donated (no second copy of params and
   # Adam state).
   config = mode("step")
-  steps = _STEPS(config, moe_hk.make_mesh(**config.mesh))
+  steps = _STEPS(settings_of(config), moe_hk.make_mesh(**config.mesh))
   state = steps.init(jax.random.key(0))
   batch = jax.device_put(np.zeros((config.data.batch_size, config.data.seq_len + 1), np.int32),
                          steps.batch_sharding)
@@ -262,7 +267,7 @@ def test_bfloat16_compute_tracks_float32(baseline, tmp_path):
   """bf16 matmuls (params float32) follow the float32 loss curve within 2e-3 at every step,
   and really compute in bf16 (the curves differ)."""
   f32 = baseline.losses
-  bf16 = trainer.train_and_evaluate(run_config(dtype="bfloat16"), str(tmp_path / "bf16"))
+  bf16 = trainer.train_and_evaluate(settings_of(run_config(dtype="bfloat16")), str(tmp_path / "bf16"))
   np.testing.assert_allclose(bf16, f32, rtol=2e-3)
   assert np.max(np.abs(np.subtract(bf16, f32))) > 0
 
@@ -291,8 +296,8 @@ def test_sigterm_checkpoints_the_current_step_and_the_run_resumes(tmp_path):
   assert sorted(scalars["train/loss"]) == list(range(saved))  # metrics flushed up to the stop
   # The resumed steps, and the steps before the stop, equal an uninterrupted run's.
   config = tiny_config(train_steps=1000, checkpoint_every=500)
-  resumed = trainer.train_and_evaluate(config, str(tmp_path), stop_after=saved + 2)
-  straight = trainer.train_and_evaluate(config, str(tmp_path / "straight"), stop_after=saved + 2)
+  resumed = trainer.train_and_evaluate(settings_of(config), str(tmp_path), stop_after=saved + 2)
+  straight = trainer.train_and_evaluate(settings_of(config), str(tmp_path / "straight"), stop_after=saved + 2)
   np.testing.assert_allclose(resumed, straight[saved:], rtol=1e-6)
   np.testing.assert_allclose([scalars["train/loss"][s] for s in range(saved)],
                              straight[:saved], rtol=1e-6)
@@ -332,21 +337,37 @@ def test_two_processes_over_gloo_match_one_process(baseline, tmp_path):
                                             "'step'"),
     ("moe.expert_axis", "model", "MoEConfig.expert_axis='model' is not an axis of the mesh "
                                  "(axes: data, fsdp, expert)"),
-    ("mesh.expert", 4, "the mesh (data=1, fsdp=1, expert=4) needs 4 devices; there are 8"),
+    ("mesh.expert", 4, "config.mesh: the mesh (data=1, fsdp=1, expert=4) needs 4 devices; "
+                       "there are 8. Set config.mesh to fit the devices, or, on a machine "
+                       "without a TPU or GPU, config.cpu_devices to the mesh's size."),
+    ("remat_policy", "most", "config.remat_policy='most' must be one of 'none', 'full', "
+                             "'save_attention_moe'."),
+    ("autopilot.window", 2, None),  # only checked with the autopilot on: valid here
 ])
 def test_bad_config_value_names_field_value_and_range(key, value, message):
   c = tiny_config()
   c.update_from_flattened_dict({key: value})
-  with pytest.raises(ValueError) as error:
-    trainer.validate(c)
+  if message is None:
+    settings_lib.build(c, 8)
+    return
+  with pytest.raises(UserError) as error:
+    settings_lib.build(c, 8)
   assert message in str(error.value) and "\n" not in str(error.value)
 
 
-def test_unknown_key_names_the_closest_keys():
-  """(`--num_processes` without its two partners: tests/test_distributed.py.)"""
-  message = overrides.unknown_override(["--config.moe.expert_axes=data"], tiny_config())
-  assert message.startswith("--config.moe.expert_axes: no such config key (closest: "
-                            "config.moe.expert_axis, "), message
+def test_unknown_key_names_the_closest_keys(tmp_path):
+  """A key the config does not have, from the command line or in a config file.
+  (`--num_processes` without its two partners: tests/test_distributed.py.)"""
+  with pytest.raises(settings_lib.app.UsageError) as error:
+    settings_lib.load(os.path.join(ROOT, TINY), [("moe.expert_axes", "data")])
+  assert str(error.value).startswith("--config.moe.expert_axes: no such config key (closest: "
+                                     "config.moe.expert_axis, "), error.value
+  assert error.value.exitcode == 2
+  c = tiny_config()
+  c.moe.expert_axes = "data"
+  with pytest.raises(UserError, match=r"^config\.moe\.expert_axes is not a MoE setting; did "
+                                      r"you mean config\.moe\.expert_axis"):
+    settings_lib.build(c, 8)
 
 
 @pytest.mark.parametrize("flag,message", [
@@ -373,35 +394,20 @@ def test_config_moe_keys_are_the_layer_fields():
   assert set(c.moe) == fields - derived and set(c.moe) | derived == fields
   c.moe.gmm_impl, c.moe.gmm_block_rows, c.moe.a2a_impl = "blocked", 16, "emulated"
   c.traffic.record = False
-  built = model.moe_config(c)
+  built = settings_of(c).layer
   assert (built.gmm_impl, built.gmm_block_rows, built.a2a_impl) == ("blocked", 16, "emulated")
   assert (built.emb_dim, built.dtype, built.record_traffic) == (c.emb_dim, c.dtype, False)
-
-
-@pytest.mark.parametrize("old,new", [("autotune_window", "autopilot.window"),
-                                     ("traffic_max_mib", "traffic.max_mib"),
-                                     ("shared_expert", "shared_expert"),
-                                     ("log_required_ragged_buffer_factor",
-                                      "moe.stream_step_stats")])
-def test_moved_keys_name_their_new_place(old, new):
-  """A config file or a flag that still sets a moved key gets one line naming the new one."""
-  c = tiny_config()
-  c.moe[old] = 1
-  with pytest.raises(ValueError, match=rf"^config\.moe\.{old} moved to config\.{new}\.$"):
-    model.moe_config(c)
-  assert overrides.unknown_override([f"--config.moe.{old}=1"], tiny_config()) == (
-      f"--config.moe.{old}: this key moved to --config.{new}.")
 
 
 def test_moe_metrics_off_with_a_layer_callback_on_is_an_error():
   """`moe_metrics=False` never overrides the layer's fields: a callback left on is named."""
   c = tiny_config(moe_metrics=False)
-  with pytest.raises(ValueError, match=r"config\.moe_metrics=False turns the MoE telemetry "
-                                       r"off but config\.moe\.emit_fallback_events=True would "
-                                       r"still call back to the host: set it False as well\."):
-    model.moe_config(c)
+  with pytest.raises(UserError, match=r"config\.moe_metrics=False turns the MoE telemetry "
+                                      r"off but config\.moe\.emit_fallback_events=True would "
+                                      r"still call back to the host: set it False as well\."):
+    settings_of(c)
   c.moe.emit_fallback_events = False
-  off = model.moe_config(c)
+  off = settings_of(c).layer
   assert not off.stream_step_stats and not off.emit_fallback_events
 
 
@@ -424,8 +430,8 @@ def test_autopilot_lowers_the_factor_drops_nothing_and_resumes_with_it(baseline,
   alerted, and a run resumed after the change continues with the lowered factor from its
   checkpoint."""
   auto = str(tmp_path / "auto")
-  first = trainer.train_and_evaluate(_autopilot_config(), auto, stop_after=5)
-  rest = trainer.train_and_evaluate(_autopilot_config(), auto)
+  first = trainer.train_and_evaluate(settings_of(_autopilot_config()), auto, stop_after=5)
+  rest = trainer.train_and_evaluate(settings_of(_autopilot_config()), auto)
   np.testing.assert_allclose(first + rest, baseline.losses, rtol=1e-5)
   scalars = read_scalars(auto)
   factors = [scalars["moe/ragged_buffer_factor"][s] for s in range(8)]
@@ -478,7 +484,7 @@ def test_console_reports_compile_progress_and_a_summary(baseline):
 @pytest.mark.slow  # it reads the baseline run (30 s to train), like the cases above
 def test_rerun_of_a_finished_run_says_so_and_changes_nothing(baseline, capsys):
   before = sorted(os.listdir(baseline.workdir))
-  assert trainer.train_and_evaluate(run_config(), baseline.workdir) == []
+  assert trainer.train_and_evaluate(settings_of(run_config()), baseline.workdir) == []
   assert capsys.readouterr().out == (
       f"{baseline.workdir} is at step 8, config.train_steps=8: nothing to train. To train "
       "longer, rerun with --config.train_steps=N, N > 8.\n")
@@ -492,14 +498,14 @@ def test_unwritable_workdir_is_a_user_error_before_compiling(tmp_path, where):
     workdir.write_text("")
   with pytest.raises(UserError, match=rf"workdir '{workdir}' cannot be created or written "
                                       r"\(.+\): pass a folder this user can write\.$"):
-    trainer.train_and_evaluate(tiny_config(), str(workdir))
+    trainer.train_and_evaluate(settings_of(tiny_config()), str(workdir))
 
 
 def test_data_that_does_not_match_is_a_user_error_before_compiling(tmp_path):
   c = tiny_config()
   c.data.source, c.data.pattern = "files", str(tmp_path / "*.txt")
   with pytest.raises(UserError, match=r"matches no file"):
-    trainer.train_and_evaluate(c, str(tmp_path / "run"))
+    trainer.train_and_evaluate(settings_of(c), str(tmp_path / "run"))
   assert not os.path.exists(tmp_path / "run" / "checkpoints")
 
 
@@ -522,7 +528,7 @@ def test_unreadable_checkpoints_are_moved_aside_and_the_run_resumes(baseline, tm
   the run resumes from step 1, reproducing the uninterrupted run (losses, MoE window)."""
   workdir = str(tmp_path / "run")
   checkpoints = os.path.join(workdir, "checkpoints")
-  trainer.train_and_evaluate(run_config(), workdir, stop_after=6)
+  trainer.train_and_evaluate(settings_of(run_config()), workdir, stop_after=6)
   assert sorted(os.listdir(checkpoints)) == ["1", "4", "6"]
   shutil.copytree(os.path.join(checkpoints, "1"), tmp_path / "backup-1")
   _truncate_arrays(os.path.join(checkpoints, "6"))
@@ -531,13 +537,13 @@ def test_unreadable_checkpoints_are_moved_aside_and_the_run_resumes(baseline, tm
   _truncate_arrays(os.path.join(checkpoints, "1"))
   with pytest.raises(UserError, match=rf"no checkpoint in {checkpoints} reads \(step 6: .*; "
                                       r"step 4: .*; step 1: .*\): move the folder away"):
-    trainer.train_and_evaluate(run_config(), workdir)
+    trainer.train_and_evaluate(settings_of(run_config()), workdir)
   assert sorted(os.listdir(checkpoints)) == ["1", "4", "6"]
 
   shutil.rmtree(os.path.join(checkpoints, "1"))
   shutil.copytree(tmp_path / "backup-1", os.path.join(checkpoints, "1"))
   caplog.set_level("WARNING")
-  rest = trainer.train_and_evaluate(run_config(), workdir)
+  rest = trainer.train_and_evaluate(settings_of(run_config()), workdir)
   assert sorted(os.listdir(checkpoints)) == ["1", "4", "8", "corrupt-4", "corrupt-6"]
   moved = [r.getMessage() for r in caplog.records if "does not read" in r.getMessage()]
   assert [m.split(" (")[0] for m in moved] == ["checkpoint 6 does not read",
@@ -572,15 +578,15 @@ def test_failed_checkpoint_write_stops_in_one_line_and_keeps_the_previous(baseli
   workdir = str(tmp_path / "run")
   checkpoints = os.path.join(workdir, "checkpoints")
   with _tmpfs(checkpoints) as remount:
-    trainer.train_and_evaluate(run_config(), workdir, stop_after=4)
+    trainer.train_and_evaluate(settings_of(run_config()), workdir, stop_after=4)
     remount("ro")
     with pytest.raises(UserError, match=rf"writing a checkpoint to {checkpoints} failed \(.*"
                                         r"\); step 4 is the newest intact one: free space or fix "
                                         r"the folder's permissions, then rerun to resume\.$"):
-      trainer.train_and_evaluate(run_config(), workdir)
+      trainer.train_and_evaluate(settings_of(run_config()), workdir)
     remount("rw")
     assert sorted(os.listdir(checkpoints)) == ["1", "4"]
-    rest = trainer.train_and_evaluate(run_config(), workdir)
+    rest = trainer.train_and_evaluate(settings_of(run_config()), workdir)
   np.testing.assert_allclose(rest, baseline.losses[4:], rtol=1e-6)
 
 
@@ -597,8 +603,8 @@ def test_nonfinite_router_input_is_counted_skipped_and_stops_the_run(tmp_path, m
   counted, overflow nothing (no fallback), every step is skipped (params unchanged, alerted)
   and after max_consecutive_nonfinite=3 such steps the run stops with a checkpoint, every
   step it ran written."""
-  def poisoned(config, mesh):
-    steps = _STEPS(config, mesh)
+  def poisoned(settings, mesh):
+    steps = _STEPS(settings, mesh)
     def init(rng):
       state = steps.init(rng)
       [scope] = [name for name in state.params if name.endswith("/embed")]
@@ -610,7 +616,7 @@ def test_nonfinite_router_input_is_counted_skipped_and_stops_the_run(tmp_path, m
   with pytest.raises(UserError, match=message + r" had a non-finite loss or gradient norm "
                                       r"\(config.max_consecutive_nonfinite=3\); they changed "
                                       r"nothing, and the state is checkpointed at step 4"):
-    trainer.train_and_evaluate(c, str(tmp_path))
+    trainer.train_and_evaluate(settings_of(c), str(tmp_path))
   scalars = read_scalars(str(tmp_path))
   assert [scalars["train/skipped_steps"][s] for s in range(4)] == [1, 2, 3, 4]
   assert all(np.isnan(scalars["train/loss"][s]) for s in range(4))

@@ -144,8 +144,8 @@ def test_megablox_is_refused_on_a_gpu_mesh():
   gpu = type("GpuDevice", (), {"platform": "gpu"})()
   fake = type("Mesh", (), {"devices": np.array([gpu])})()
   with pytest.raises(ValueError, match=r"gmm_impl='megablox' .*TPU .*not on a gpu mesh"):
-    moe_hk.sharded.resolve_backends(config, fake)
-  assert moe_hk.sharded.resolve_backends(config, mesh).interpret  # CPU: the interpreter
+    moe_hk.mesh_forward.resolve_backends(config, fake)
+  assert moe_hk.mesh_forward.resolve_backends(config, mesh).interpret  # CPU: the interpreter
 
 
 def test_capped_differs_from_dropless_when_rows_drop():

@@ -62,7 +62,7 @@ def test_unrolled_layers_under_grad_with_remat(events):
   assert step_metrics.layers[0].would_drop_rows > 0 and step_metrics.layers[1].dropped_rows > 0
   assert step_metrics.fallback_layers == 1
   assert {e.name for e in events if e.layer == 0} == {events_lib.FALLBACK_EVENT}
-  assert {e.name for e in events if e.layer == 1} == {events_lib.CAPPED_EVENT}
+  assert {e.name for e in events if e.layer == 1} == {events_lib.STEP_STATS_EVENT}
 
 
 # The stacked layers' routing (x shared): layers 0 and 2 send every token to the two experts of
@@ -124,7 +124,7 @@ def test_stacked_layers_return_stats_as_outputs(events, mode, remat):
   assert [r.fallback for r in step_metrics.layers.values()] == fell_back
   assert step_metrics.fallback_layers == sum(fell_back)
   for i, f in enumerate(fell_back):
-    name = events_lib.FALLBACK_EVENT if f else events_lib.CAPPED_EVENT
+    name = events_lib.FALLBACK_EVENT if f else events_lib.STEP_STATS_EVENT
     assert {e.name for e in events if e.layer == i} == {name}, i
   if mode == "none":
     assert step_metrics.dropped_rows_fraction > 0

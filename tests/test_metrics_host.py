@@ -13,7 +13,7 @@ from metrics.event_files import read_scalars
 from metrics.step_summaries import grey_png
 from metrics.writer import DROPLESS_STEPS_TAG
 from moe_hk import MoEStats
-from moe_hk.events import CAPPED_EVENT, FALLBACK_EVENT, LayerEvent
+from moe_hk.events import FALLBACK_EVENT, STEP_STATS_EVENT, LayerEvent
 
 
 def _event(step, layer, process=0, fallback=0, factor=1.0, would_drop=0, dropped=0,
@@ -27,7 +27,7 @@ def _event(step, layer, process=0, fallback=0, factor=1.0, would_drop=0, dropped
       router_entropy=np.float32(1.0),
       receiver_overflow_rows=np.asarray([would_drop, 0], np.int32),  # all on expert shard 0
       routed_rows_per_device=np.zeros((0, len(tokens)), np.int32))   # traffic not recorded
-  return LayerEvent(FALLBACK_EVENT if fallback else CAPPED_EVENT, step, layer, process, stats)
+  return LayerEvent(FALLBACK_EVENT if fallback else STEP_STATS_EVENT, step, layer, process, stats)
 
 
 def test_duplicates_collapse_to_one_record_per_layer_and_remember_processes():

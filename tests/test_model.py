@@ -1,4 +1,4 @@
-"""launch.model against independent dense references: chunked loss, RMSNorm and SwiGLU, the
+"""launch.training.model against independent dense references: chunked loss, RMSNorm and SwiGLU, the
 MoE block's shared expert, and the remat policies (attention: tests/test_attention.py)."""
 import math
 
@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 import moe_hk
-from launch import model as model_lib
-from tests.helpers import tiny_config
+from launch.training import model as model_lib
+from tests.helpers import settings_of, tiny_config
 from tests.tree_close import assert_trees_close, relative_error
 
 
@@ -87,7 +87,8 @@ def test_shared_expert_parameters_gradients_and_contribution():
   reach the output, and with `wo = 0` leave exactly the model without a shared expert."""
   mesh = moe_hk.make_mesh(data=1, fsdp=1, expert=8)
   def model(config):
-    return hk.transform(lambda t: model_lib.Transformer(config, mesh, name="model")(t))
+    layer = settings_of(config).layer
+    return hk.transform(lambda t: model_lib.Transformer(config, layer, mesh, name="model")(t))
   c = _tiny_config(shared_expert=True)
   shared, plain = model(c), model(_tiny_config(shared_expert=False))
   tokens = jax.random.randint(jax.random.key(0), (8, 16), 0, c.vocab_size)
@@ -133,7 +134,9 @@ def test_remat_policies_give_the_same_step_and_keep_fallback_events():
     for policy in model_lib.REMAT_POLICIES:
       c = tiny_config()
       c.remat_policy = policy
-      net = hk.transform(lambda t, s, c=c: model_lib.Transformer(c, mesh, name="model")(t, s))
+      layer = settings_of(c).layer
+      net = hk.transform(lambda t, s, c=c, layer=layer: model_lib.Transformer(
+          c, layer, mesh, name="model")(t, s))
       if params is None:  # the policy changes the backward, not the parameters
         params = jax.jit(net.init)(jax.random.key(1), tokens, None)
       def loss(p, net=net):

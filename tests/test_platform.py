@@ -7,7 +7,8 @@ import sys
 import jax
 import pytest
 
-from launch import aot, platform
+from launch import platform
+from launch.compiling import topology as topology_lib
 from tests.helpers import ROOT, require_libtpu
 
 
@@ -77,11 +78,11 @@ def test_without_jax_platforms_a_cpu_machine_starts_quietly_on_n_cpu_devices():
 @pytest.mark.parametrize("topology,devices", [("cpu:4", 4), ("cpu:64", 64), ("v5p-16", 1),
                                               ("v5p:2x2x2", 1)])
 def test_aot_starts_jax_with_the_topologys_cpu_devices(topology, devices):
-  assert aot.cpu_device_count(topology) == devices
+  assert topology_lib.cpu_device_count(topology) == devices
 
 
 @pytest.mark.parametrize("topology", ["cpu:", "cpu:x", "cpu:0", "cpu:-2"])
 def test_aot_refuses_a_cpu_topology_without_a_count(topology):
   with pytest.raises(ValueError, match=f"--compile_topology={topology} must be 'cpu:N' with "
                                        "N >= 1"):
-    aot.cpu_device_count(topology)
+    topology_lib.cpu_device_count(topology)

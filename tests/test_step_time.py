@@ -1,4 +1,5 @@
-"""`launch.step_time` and the planner's prices (`launch.capacity.price`, `pick`) on intervals
+"""`launch.planning.step_model` and the planner's prices (`launch.planning.replay.price`,
+`pick`) on intervals
 whose true step and chunk times are known."""
 import json
 import re
@@ -7,7 +8,9 @@ import sys
 import numpy as np
 import pytest
 
-from launch import capacity, step_time
+from launch.errors import UserError
+from launch import capacity
+from launch.planning import replay, step_model as step_time
 from metrics.traffic import RunShape, Timings, Traffic, TrafficRecorder, read_traffic
 from moe_hk import fallback
 from tests.test_capacity import K, META, SHARDS, TOKENS, skewed_counts
@@ -82,7 +85,7 @@ def test_one_measured_factor_scales_by_flops_two_follow_the_line():
 
 
 def test_timed_capped_steps_scale_one_measured_factor_in_place_of_the_flops():
-  """With capped steps timed apart (`launch.step_timer`), a factor the run did not train at
+  """With capped steps timed apart (`launch.planning.capped_timing`), a factor the run did not train at
   is the measured step times their ratio; a factor not timed falls back to the FLOPs."""
   timed = {2.0: 0.5, 3.0: 0.55, 4.0: 0.6}
   model = step_time.StepTimeModel(intervals(2.0, [0, 4, 8, 2]), FLOPS, timed)
@@ -107,12 +110,12 @@ def timed_run(tmp_path_factory):
   recorder = TrafficRecorder(str(workdir), **META, shape=shape)
   rng = np.random.default_rng(0)
   # The chunks the fixed fallback runs: the replay's overflowing layers x its chunk count.
-  rows = capacity.plan(Traffic(np.arange(200), counts, np.full(200, 1.5), **META),
+  rows = replay.plan(Traffic(np.arange(200), counts, np.full(200, 1.5), **META),
                        [1.5])[0]["buffer_rows"]
   chunks = fallback.fallback_num_chunks(batch=TOKENS // SEQ, seq=SEQ, k=K, shards=SHARDS,
                                         local_experts=2, rows=rows)
-  matrices = capacity.group_traffic(counts, SHARDS)
-  over = np.asarray(capacity._overflow_rows(matrices.reshape(-1, SHARDS, SHARDS), rows))
+  matrices = replay.group_traffic(counts, SHARDS)
+  over = np.asarray(replay._overflow_rows(matrices.reshape(-1, SHARDS, SHARDS), rows))
   overflowing = (over.reshape(matrices.shape[:3]) > 0).any(axis=2)  # [steps, layers]
   for first in range(0, 200, 10):
     ran = (overflowing[first:first + 10] * chunks).astype(np.int32)
@@ -132,8 +135,8 @@ def test_planner_prices_factors_within_their_errors_and_picks_the_fastest_that_f
   """At the run's factor the prediction is the measured mean; the chunk time it fits is the
   truth's; the pick is the cheapest predicted factor, or under a budget the cheapest that fits."""
   _, traffic = timed_run
-  results = capacity.plan(traffic, [1.0, 1.5, 2.0, 3.0])
-  assert capacity.price(traffic, results)
+  results = replay.plan(traffic, [1.0, 1.5, 2.0, 3.0])
+  assert replay.price(traffic, results)
   at_run = next(r for r in results if r["factor"] == 1.5)
   assert at_run["relative_step_time"] == 1.0
   measured = traffic.timings.seconds.sum() / traffic.timings.steps.sum()
@@ -141,16 +144,16 @@ def test_planner_prices_factors_within_their_errors_and_picks_the_fastest_that_f
   for r in results:
     assert r["step_seconds"] > 0 and r["step_seconds_se"] > 0
   fastest = min(results, key=lambda r: r["step_seconds"])
-  assert capacity.pick(results, None) is fastest
+  assert replay.pick(results, None) is fastest
   memory = {1.0: 10, 1.5: 15, 2.0: 20, 3.0: 30}
   for r in results:
     r["memory_bytes_per_device"] = memory[r["factor"]]
   budget = memory[fastest["factor"]] - 1  # excludes the fastest
-  chosen = capacity.pick(results, budget)
+  chosen = replay.pick(results, budget)
   assert chosen["memory_bytes_per_device"] <= budget
   assert chosen["step_seconds"] == min(r["step_seconds"] for r in results
                                        if r["memory_bytes_per_device"] <= budget)
-  assert capacity.pick(results, 1) is None
+  assert replay.pick(results, 1) is None
 
 
 def test_a_run_at_the_worst_case_is_priced_at_its_factor(timed_run):
@@ -163,8 +166,8 @@ def test_a_run_at_the_worst_case_is_priced_at_its_factor(timed_run):
     run = traffic._replace(factors=np.full_like(traffic.factors, recorded),
                            timings=timings._replace(factors=np.full_like(timings.factors,
                                                                          recorded)))
-    results = capacity.plan(run, [1.5, 3.0, recorded])
-    assert capacity.price(run, results)
+    results = replay.plan(run, [1.5, 3.0, recorded])
+    assert replay.price(run, results)
     priced[recorded] = [(r["step_seconds"], r["relative_step_time"]) for r in results]
   np.testing.assert_allclose(priced[-1.0], priced[4.0], rtol=1e-12)
   assert priced[-1.0][-1][1] == 1.0 and priced[-1.0][0][0] < priced[-1.0][-1][0]
@@ -194,9 +197,8 @@ TIME_CONFIG = ("--time_config=launch/configs/tiny.py", "--time_config.mesh.fsdp=
 
 
 def time_main(monkeypatch, *args: str) -> None:
-  """`launch.capacity`'s main in this process; the config overrides are read from sys.argv."""
+  """`launch.capacity`'s main in this process."""
   from tests.test_capacity import run_main
-  monkeypatch.setattr(sys, "argv", ["capacity", *args])
   run_main(*args)
 
 
@@ -210,8 +212,8 @@ def test_the_planner_times_capped_steps_and_prices_with_them(timed_run, capsys, 
   results = json.loads(capsys.readouterr().out)
   timed = {r["factor"]: r["capped_step_seconds"] for r in results}
   assert set(timed) == {1.5, 3.0} and all(s > 0 for s in timed.values())
-  again = capacity.plan(traffic, [1.5, 3.0])
-  assert capacity.price(traffic, again, timed)
+  again = replay.plan(traffic, [1.5, 3.0])
+  assert replay.price(traffic, again, timed)
   assert [r["step_seconds"] for r in results] == [r["step_seconds"] for r in again]
 
 
@@ -225,5 +227,5 @@ def test_the_planner_times_capped_steps_and_prices_with_them(timed_run, capsys, 
 def test_the_planner_refuses_a_timing_config_that_is_not_the_runs(timed_run, overrides,
                                                                    message, monkeypatch):
   from absl import app
-  with pytest.raises(app.UsageError, match=re.escape(message)):
+  with pytest.raises((app.UsageError, UserError), match=re.escape(message)):
     time_main(monkeypatch, f"--workdir={timed_run[0]}", *TIME_CONFIG, *overrides)

@@ -13,7 +13,7 @@ import pytest
 from jax.sharding import NamedSharding
 
 import moe_hk
-from launch import xla_programs
+from launch.compiling import memory, topology
 from moe_hk import mesh as mesh_lib
 from tests.helpers import require_libtpu, user_precision
 
@@ -33,7 +33,7 @@ def _libtpu():
 
 
 def _mesh():
-  return moe_hk.make_mesh(expert=SHARDS, devices=xla_programs.tpu_topology_devices("v5p:2x2x1"))
+  return moe_hk.make_mesh(expert=SHARDS, devices=topology.tpu_topology_devices("v5p:2x2x1"))
 
 
 @functools.lru_cache(maxsize=None)
@@ -43,7 +43,7 @@ def _compiled(config: moe_hk.MoEConfig, seq: int = SEQ):
   specs = moe_hk.param_specs(config, mesh)
   params = moe_hk.MoEParams(jnp.zeros((EMB, EXPERTS)), jnp.zeros((EXPERTS, EMB, MLP)),
                             jnp.zeros((EXPERTS, EMB, MLP)), jnp.zeros((EXPERTS, MLP, EMB)))
-  params = xla_programs.abstract_like(params, jax.tree.map(lambda s: NamedSharding(mesh, s), specs))
+  params = memory.abstract_like(params, jax.tree.map(lambda s: NamedSharding(mesh, s), specs))
   x = jax.ShapeDtypeStruct((BATCH, seq, EMB), jnp.float32,
                            sharding=NamedSharding(mesh, mesh_lib.batch_spec(mesh)))
 
@@ -64,7 +64,7 @@ def test_native_path_compiles_for_v5p_with_the_configured_buffer(factor):
   """Dispatch and combine are ragged all-to-alls (forward and their transposes), the experts
   ragged_dots, and the dispatch lands in a receive buffer of the config's rows: the worst
   case, or factor x balanced."""
-  assert moe_hk.sharded.resolve_backends(_config(factor), _mesh()) == (
+  assert moe_hk.mesh_forward.resolve_backends(_config(factor), _mesh()) == (
       "native", "ragged_dot", False)
   hlo = _compiled(_config(factor)).as_text()
   assert hlo.count("ragged-all-to-all") >= 4
@@ -77,8 +77,8 @@ def test_native_path_compiles_for_v5p_with_the_configured_buffer(factor):
 
 
 def test_capped_buffer_needs_less_tpu_memory_than_worst_case():
-  worst = xla_programs.total_memory_bytes(_compiled(_config(-1)))
-  capped = xla_programs.total_memory_bytes(_compiled(_config(1.0)))
+  worst = memory.total_memory_bytes(_compiled(_config(-1)))
+  capped = memory.total_memory_bytes(_compiled(_config(1.0)))
   assert capped < worst, (capped, worst)
 
 
@@ -88,7 +88,7 @@ def test_megablox_kernels_compile_for_v5p(fallback):
   ragged_dot left, on the capped path and inside the chunked fallback, in bfloat16."""
   config = _config(1.0, gmm_impl="megablox", dtype="bfloat16").replace(
       moe_dropless_fallback=fallback)
-  assert moe_hk.sharded.resolve_backends(config, _mesh()) == ("native", "megablox", False)
+  assert moe_hk.mesh_forward.resolve_backends(config, _mesh()) == ("native", "megablox", False)
   hlo = _compiled(config, seq=64).as_text()
   assert "tpu_custom_call" in hlo
   assert "ragged_dot" not in hlo

@@ -20,7 +20,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.head_dim = 32
   c.mlp_dim = 256             # dense blocks' SwiGLU width
   c.dtype = "float32"         # compute dtype ('bfloat16' allowed); params stay float32
-  # What the backward keeps of each layer group's forward (launch.model.REMAT_POLICIES):
+  # What the backward keeps of each layer group's forward (launch.training.model.REMAT_POLICIES):
   # 'full' (everything recomputed, as large MoE models train), 'save_attention_moe' (keeps
   # the attention and MoE outputs), 'none' (no remat). The trainer's MoE telemetry comes from
   # the step's outputs under every policy; only the per-step host callbacks of capped-only

@@ -1,20 +1,15 @@
-"""Compiling ahead of time: TPU topology devices, abstract inputs and compiler memory figures.
+"""What a compiled program holds per device, and the abstract inputs it is compiled for.
 
-A TPU topology needs the libtpu wheel matching jax (`jax[tpu]==<jax version>`) but no TPU:
-`jax.jit(f).lower(...).compile()` then compiles for that topology from any machine.
+`jax.jit(f).lower(*abstract).compile()` compiles without data; `compiled.memory_analysis()`
+then gives the compiler's figures for one device.
 """
 from __future__ import annotations
 
-from typing import Sequence
+import math
 
 import jax
+import jax.numpy as jnp
 import numpy as np
-from jax.experimental import topologies
-
-
-def tpu_topology_devices(topology: str) -> Sequence[jax.Device]:
-  """Devices of a TPU topology such as 'v5p:2x2x1' (needs libtpu, not a TPU)."""
-  return topologies.get_topology_desc(platform="tpu", topology_name=topology).devices
 
 
 def total_memory_bytes(compiled) -> int:
@@ -22,6 +17,11 @@ def total_memory_bytes(compiled) -> int:
   m = compiled.memory_analysis()
   return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
              - m.alias_size_in_bytes)
+
+
+def per_device_bytes(a: jax.ShapeDtypeStruct) -> int:
+  """Bytes of one device's shard of `a` (a ShapeDtypeStruct with a sharding)."""
+  return math.prod(a.sharding.shard_shape(a.shape)) * jnp.dtype(a.dtype).itemsize
 
 
 def abstract_like(tree, sharding_tree):

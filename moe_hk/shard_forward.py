@@ -11,7 +11,6 @@ rows, and its output row is NaN.
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -20,39 +19,27 @@ from moe_hk import dispatch_plan, fallback, routing as routing_lib
 from moe_hk.config import MoEConfig
 from moe_hk.ragged_path import Backends, ExpertWeights, gather_counts, ragged_moe
 from moe_hk.ring_path import ring_moe
-
-
-class ShardStats(NamedTuple):
-  """One shard's view before reduction over the mesh (see `MoEStats` for the reduced form)."""
-  fallback: jax.Array           # [] int32, 1 if this device ran the dropless fallback.
-  required_factor: jax.Array    # [] float32, same on every shard of the expert group.
-  would_drop_rows: jax.Array    # [] int32, rows of the expert group beyond the capped buffer.
-  dropped_rows: jax.Array       # [] int32, rows of the expert group actually dropped.
-  tokens_per_expert: jax.Array  # [E] int32, this shard's routed rows per expert.
-  nonfinite_tokens: jax.Array   # [] int32, this shard's tokens whose router logits are not finite.
-  lb_loss: jax.Array            # [] float32, this shard's unweighted load-balance loss.
-  z_loss: jax.Array             # [] float32, this shard's unweighted router z-loss.
-  fallback_chunks: jax.Array    # [] int32, chunks of the rung the fallback ran (0: it did not).
-  router_entropy: jax.Array     # [] float32, this shard's mean router entropy.
-  receiver_overflow_rows: jax.Array  # [P] int32, the expert group's rows beyond each receiver's buffer.
+from moe_hk.stats import MoEStats
 
 
 def moe_shard(x: jax.Array, router_w: jax.Array, experts: ExpertWeights, *, config: MoEConfig,
               backends: Backends, mesh_axes: tuple[str, ...], force_dropless: bool = False,
-              after_overflow: jax.Array | None = None
-              ) -> tuple[jax.Array, ShardStats]:
-  """`x [B, S, D]` -> `(y [B, S, D], ShardStats)` on one shard.
+              after_overflow: jax.Array | None = None,
+              chunk_loop: fallback.ChunkLoop = fallback.scan_chunks
+              ) -> tuple[jax.Array, MoEStats]:
+  """`x [B, S, D]` -> `(y [B, S, D], MoEStats)` on one shard, the stats this shard's view
+  before `moe_hk.stats.reduce_stats` (`moe_hk.stats.REDUCTIONS` says what each field holds).
 
   Picks, statically, one of: the worst-case buffer (`force_dropless`); the capped path behind
   an overflow check that falls back to the chunked dropless path (`moe_dropless_fallback`
   'layer' or 'step'; 'layer' with adaptive chunking falls back to the first rung of
   `fallback.traffic_ladder` whose chunks fit, chosen at run time); or the capped path alone.
   In 'step' mode the check also takes the chunked path when `after_overflow` (bool scalar, the
-  same on every device) says an earlier MoE layer of the step overflowed.
+  same on every device) says an earlier MoE layer of the step overflowed. `chunk_loop` runs
+  the chunks of the fallback (`fallback.scan_chunks`; another only for measurements).
   """
   batch, seq, width = x.shape
   tokens, k = batch * seq, config.num_experts_per_tok
-  chunk_loop, ladder = fallback.traced_forms()
   shards = jax.lax.axis_size(config.expert_axis)
   local = config.num_experts // shards
   capped_rows = dispatch_plan.buffer_rows(shards, tokens, k, local, config.ragged_buffer_factor)
@@ -102,8 +89,8 @@ def moe_shard(x: jax.Array, router_w: jax.Array, experts: ExpertWeights, *, conf
   elif builds_fallback(config, shards=shards, tokens=tokens):
     last = fixed()
     if config.moe_dropless_fallback == "layer" and config.dropless_fallback_chunking == "adaptive":
-      rungs = ladder(seq=seq, capped_rows=capped_rows, worst_rows=worst_rows,
-                     max_chunks=last.chunks)
+      rungs = fallback.traffic_ladder(seq=seq, capped_rows=capped_rows, worst_rows=worst_rows,
+                                      max_chunks=last.chunks)
       index = adaptive_rung(ids, rungs, capped_rows, config=config, mesh_axes=mesh_axes)
       y = fallback.switch_with_recompute(index, (capped, *map(chunked, rungs)), operands, ids)
     else:
@@ -122,7 +109,7 @@ def moe_shard(x: jax.Array, router_w: jax.Array, experts: ExpertWeights, *, conf
     ran_fallback, dropped, chunks = zero, would_drop, zero
 
   y = routing_lib.nan_where_unrouted(y, route.finite.reshape(batch, seq))
-  stats = ShardStats(
+  stats = MoEStats(
       fallback=ran_fallback,
       required_factor=dispatch_plan.required_factor(traffic, tokens * k),
       would_drop_rows=would_drop,
@@ -133,7 +120,8 @@ def moe_shard(x: jax.Array, router_w: jax.Array, experts: ExpertWeights, *, conf
       z_loss=routing_lib.router_z_loss(route),
       fallback_chunks=chunks,
       router_entropy=routing_lib.router_entropy(route),
-      receiver_overflow_rows=dispatch_plan.receiver_overflow_rows(traffic, capped_rows))
+      receiver_overflow_rows=dispatch_plan.receiver_overflow_rows(traffic, capped_rows),
+      routed_rows_per_device=jnp.zeros((0, config.num_experts), jnp.int32))
   return y.astype(x.dtype), stats
 
 

@@ -1,9 +1,10 @@
 """The train state, optimizer, loss and the jitted init / train / eval steps for one mesh.
 
-Shared by the training loop (`launch.trainer`) and the AOT compiler (`launch.aot`), so both
-compile exactly the same step: params and Adam state sharded FSDP-style (`launch.sharding`),
-the batch `[B, S + 1]` sharded over every mesh axis, the state donated (in every MoE fallback
-mode: `'step'` runs in the same single pass, `moe_hk.step_mode`).
+Shared by the training loop (`launch.training.trainer`), the autopilot's programs and the AOT
+compiles (`launch.compiling.variants`), so all compile exactly the same step: params and Adam
+state sharded FSDP-style (`launch.training.sharding`), the batch `[B, S + 1]` sharded over
+every mesh axis, the state donated (in every MoE fallback mode: `'step'` runs in the same
+single pass, `moe_hk.step_mode`).
 """
 from __future__ import annotations
 
@@ -17,9 +18,11 @@ import ml_collections
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from launch import sharding, xla_programs
-from launch.model import Transformer, cross_entropy, moe_config
-from moe_hk import step_mode as step_mode_lib
+from launch.compiling import memory
+from launch.settings import Settings
+from launch.training import sharding
+from launch.training.model import Transformer, cross_entropy
+from moe_hk import fallback, step_mode as step_mode_lib
 
 
 class TrainState(NamedTuple):
@@ -79,22 +82,29 @@ def loss_fn(model: hk.Transformed, config, params, batch, step):
   return ce + aux, (ce, out.moe_stats)
 
 
-def _transformed(config, mesh: Mesh) -> hk.Transformed:
-  return hk.transform(lambda tokens, step: Transformer(config, mesh, name="model")(tokens, step))
+def _transformed(settings: Settings, mesh: Mesh,
+                 chunk_loop: fallback.ChunkLoop | None) -> hk.Transformed:
+  def forward(tokens, step):
+    return Transformer(settings.config, settings.layer, mesh, chunk_loop, name="model")(tokens,
+                                                                                       step)
+  return hk.transform(forward)
 
 
-def make_steps(config: ml_collections.ConfigDict, mesh: Mesh) -> Steps:
-  """Builds the jitted steps; the train step donates the state. Its outputs hold `skipped`
+def make_steps(settings: Settings, mesh: Mesh,
+               chunk_loop: fallback.ChunkLoop | None = None) -> Steps:
+  """Builds the jitted steps of `settings` (its model, optimizer and MoE layers) on `mesh`;
+  the train step donates the state. `chunk_loop` is for measurements only (the model's).
+  Its outputs hold `skipped`
   (bool scalar: the loss or gradient norm was not finite; with `config.skip_nonfinite_steps`
   the step then left params and optimizer state unchanged). In
   `moe.moe_dropless_fallback='step'` mode a step in which a MoE layer overflowed runs every
   MoE layer from that one on the chunked dropless path (`moe_hk.step_mode`); its outputs
   then hold `dropless` (bool scalar: the step ran dropless from an overflowing layer on)."""
-  layer_config = moe_config(config)
+  config, layer_config = settings.config, settings.layer
   step_mode = layer_config.moe_dropless_fallback == "step"
   tx, schedule = make_optimizer(config)
   batch_sharding = NamedSharding(mesh, P(tuple(mesh.axis_names)))
-  model = _transformed(config, mesh)
+  model = _transformed(settings, mesh, chunk_loop)
 
   def init(rng):
     tokens = jnp.zeros((config.data.batch_size, config.data.seq_len), jnp.int32)
@@ -134,8 +144,8 @@ def abstract_inputs(config: ml_collections.ConfigDict, steps: Steps
                     ) -> tuple[TrainState, jax.ShapeDtypeStruct]:
   """The train step's `(state, batch [B, S + 1] int32)` as ShapeDtypeStructs with their
   shardings: what `steps.train.lower` compiles for, and what a checkpoint restores into."""
-  state = xla_programs.abstract_like(jax.eval_shape(steps.init, jax.random.key(0)),
-                                 steps.state_sharding)
+  state = memory.abstract_like(jax.eval_shape(steps.init, jax.random.key(0)),
+                              steps.state_sharding)
   batch = jax.ShapeDtypeStruct((config.data.batch_size, config.data.seq_len + 1), "int32",
                                sharding=steps.batch_sharding)
   return state, batch

@@ -15,33 +15,32 @@ of the machine falls on each factor alike; the median burst is each factor's fig
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Sequence
 
 import jax
-import ml_collections
 import numpy as np
 
 import moe_hk
-from launch.programs import with_factor
-from launch.steps import make_steps
+from launch.settings import Settings
+from launch.training.steps import make_steps
 
 
-def capped_step_seconds(config: ml_collections.ConfigDict, factors: Sequence[float], *,
-                        steps: int = 5, rounds: int = 10) -> dict[float, float]:
-  """`{factor: seconds}` of one capped train step of `config` at each of `factors` (a factor
-  of -1: the worst-case buffer), median over `rounds` bursts of `steps` steps, after one
-  untimed step each (the compile)."""
-  if steps < 1 or rounds < 1:
-    raise ValueError(f"steps={steps} and rounds={rounds} must be >= 1.")
-  mesh = moe_hk.make_mesh(**config.mesh)
+def capped_step_seconds(settings: Settings, factors: Sequence[float], *, steps: int = 5,
+                        rounds: int = 10) -> dict[float, float]:
+  """`{factor: seconds}` of one capped train step of `settings` at each of `factors` (a
+  factor of -1: the worst-case buffer), median over `rounds` bursts of `steps` steps (each
+  >= 1, checked by the caller's flags), after one untimed step each (the compile)."""
+  config = settings.config
+  mesh = moe_hk.make_mesh(**settings.mesh)
   tokens = np.random.default_rng(0).integers(
       0, config.vocab_size, (config.data.batch_size, config.data.seq_len + 1), np.int32)
   runs = {}
   for factor in dict.fromkeys(float(f) for f in factors):
-    capped = with_factor(config, factor)
-    capped.moe.moe_dropless_fallback = "none"
-    program = make_steps(capped, mesh)
+    capped = dataclasses.replace(settings.layer, ragged_buffer_factor=factor,
+                                 moe_dropless_fallback="none")
+    program = make_steps(settings._replace(layer=capped), mesh)
     batch = jax.device_put(tokens, program.batch_sharding)
     state, out = program.train(program.init(jax.random.key(0)), batch)
     jax.block_until_ready(out)

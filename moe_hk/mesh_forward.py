@@ -1,6 +1,9 @@
-"""The MoE layer over a whole mesh: validation, backend choice, shard_map, stats reduction.
+"""The MoE layer over a whole mesh: backend choice, shard_map, stats reduction, events.
 
 Shapes: B global batch, S sequence, D model width, F expert width, E experts.
+
+`moe_forward` checks the mesh and input (`moe_hk.mesh.check_layer`) and runs
+`forward_after_check`; `MoELayer` makes the check itself, before it creates its parameters.
 """
 from __future__ import annotations
 
@@ -11,12 +14,12 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
-from moe_hk import casting, mesh as mesh_lib
+from moe_hk import casting, fallback, mesh as mesh_lib
 from moe_hk.config import MoEConfig
-from moe_hk.ragged_path import Backends, ExpertWeights
-from moe_hk.shard_layer import ShardStats, builds_fallback, moe_shard
-from moe_hk.stats import MoEStats
 from moe_hk.events import emit_layer_event
+from moe_hk.ragged_path import Backends, ExpertWeights
+from moe_hk.shard_forward import builds_fallback, moe_shard
+from moe_hk.stats import MoEStats, reduce_stats
 
 
 class MoEParams(NamedTuple):
@@ -95,79 +98,71 @@ def _gather_in_dtype_bwd(axis, dim, dtype, like, cotangent):
 gather_in_dtype.defvjp(_gather_in_dtype_fwd, _gather_in_dtype_bwd)
 
 
-def reduce_stats(local: ShardStats, mesh: Mesh, config: MoEConfig) -> MoEStats:
-  """Turns one shard's stats into global ones, identical on every device.
-
-  Expert-group quantities (traffic-derived) are equal on the group's shards, so they are taken
-  once per group (pmax over the expert axis) and summed over the other axes.
-  """
-  all_axes = tuple(mesh.axis_names)
-  other_axes = tuple(a for a in all_axes if a != config.expert_axis)
-  per_group = lambda v: jax.lax.psum(jax.lax.pmax(v, config.expert_axis), other_axes)
-  if config.record_traffic:
-    # The traffic's per-device counts sum to the global ones: one collective serves both.
-    per_device = _per_device(local.tokens_per_expert, all_axes, mesh.size)   # [devices, E]
-    tokens_per_expert = per_device.sum(axis=0, dtype=local.tokens_per_expert.dtype)
-  else:
-    per_device = jnp.zeros((0, config.num_experts), jnp.int32)
-    tokens_per_expert = jax.lax.psum(local.tokens_per_expert, all_axes)
-  return MoEStats(
-      fallback=jax.lax.pmax(local.fallback, all_axes),
-      required_factor=jax.lax.pmax(local.required_factor, all_axes),
-      would_drop_rows=per_group(local.would_drop_rows),
-      dropped_rows=per_group(local.dropped_rows),
-      tokens_per_expert=tokens_per_expert,
-      nonfinite_tokens=jax.lax.psum(local.nonfinite_tokens, all_axes),
-      lb_loss=jax.lax.pmean(local.lb_loss, all_axes) * config.load_balance_loss_weight,
-      z_loss=jax.lax.pmean(local.z_loss, all_axes) * config.router_z_loss_weight,
-      fallback_chunks=jax.lax.pmax(local.fallback_chunks, all_axes),
-      router_entropy=jax.lax.pmean(local.router_entropy, all_axes),
-      receiver_overflow_rows=per_group(local.receiver_overflow_rows),
-      routed_rows_per_device=per_device)
-
-
-def _per_device(value: jax.Array, axes: tuple[str, ...], devices: int) -> jax.Array:
-  """`[devices, ...]`: every device's `value`, replicated, devices in mesh order (the last
-  axis fastest). A psum of one-hot rows (an all_gather over several axes is not inferred
-  replicated by shard_map)."""
-  rows = jnp.zeros((devices, *value.shape), value.dtype)
-  return jax.lax.psum(rows.at[jax.lax.axis_index(axes)].set(value), axes)
-
-
 def moe_forward(params: MoEParams, x: jax.Array, *, config: MoEConfig, mesh: Mesh,
                 step: jax.Array | int | None = None, layer_index: jax.Array | int | None = None,
                 force_dropless: bool = False,
-                after_overflow: jax.Array | bool | None = None
+                after_overflow: jax.Array | bool | None = None,
+                _chunk_loop: fallback.ChunkLoop | None = None
                 ) -> tuple[jax.Array, MoEStats]:
-  """The MoE layer as a pure function: `x [B, S, D]` -> `(y [B, S, D], MoEStats)`.
+  """Runs the MoE layer as a pure function of its parameters: `x` -> `(y, stats)`.
 
-  The batch is sharded over every mesh axis. When `step` is given, the layer calls back to the
-  host with `moe_hk.events.LayerEvent`s labelled (step, layer_index or 0, process): from the
-  fallback branch (`config.emit_fallback_events`) and, with `config.stream_step_stats`, every
-  step. `force_dropless` runs the worst-case buffer (no truncation, no fallback).
-  `after_overflow` (bool scalar, 'step' mode only; `moe_hk.step_mode.overflowed` carries it
-  from layer to layer) says that an earlier MoE layer of this step overflowed: this layer then
-  runs the chunked dropless path too. Raises `ValueError` for a mesh or input that does not
-  fit (x must be float32 or bfloat16).
+  The expert-parallel SwiGLU MoE layer of `MoELayer`, without Haiku (for `jax.jit`, `jax.grad`
+  and scans over stacked parameters). The batch is sharded over every mesh axis and the
+  experts over `config.expert_axis`; every device returns the same (global) `stats`. Tokens
+  go to their top-K experts through a receive buffer of `config.ragged_buffer_factor`
+  balanced loads per expert shard; when one would overflow, `config.moe_dropless_fallback`
+  decides whether rows drop or the layer reruns dropless over token chunks.
+
+  Args:
+    params: The layer's float32 parameters, global shapes: `router_w [D, E]`,
+      `wi_0 [E, D, F]`, `wi_1 [E, D, F]`, `wo [E, F, D]` (`param_specs` gives their sharding).
+    x: Input `[B, S, D]`, float32 or bfloat16; B divisible by the mesh's device count.
+    config: The layer's settings.
+    mesh: The device mesh; it must have the axis `config.expert_axis` (see `make_mesh`).
+    step: Optional int32 scalar (may be traced): the training step. Given, the layer calls
+      back to the host with `moe_hk.events.LayerEvent`s labelled (step, layer_index or 0,
+      process): from the fallback branch (`config.emit_fallback_events`) and, with
+      `config.stream_step_stats`, every step. None sends nothing.
+    layer_index: Optional int32 scalar (may be traced): the layer's 0-based ordinal among the
+      model's MoE layers, for those events.
+    force_dropless: Run the worst-case buffer: no truncation, no overflow check, no fallback.
+    after_overflow: Optional bool scalar, `moe_dropless_fallback='step'` only: an earlier MoE
+      layer of this step overflowed (`moe_hk.step_mode.overflowed` carries it from layer to
+      layer), so this layer runs the chunked dropless path too.
+    _chunk_loop: For measurements only: the naive loop the scan is compared against; None is
+      `scan_chunks`.
+
+  Returns:
+    `(y, stats)`: `y [B, S, D]` in x's dtype (NaN rows for tokens whose router logits are not
+    finite) and the layer's `MoEStats` for this step, the same on every device.
+
+  Raises:
+    ValueError: The mesh or input does not fit the layer (`moe_hk.mesh.check_layer`), the
+      buffer factor leaves no row, no fallback chunk count fits the capped buffer,
+      `after_overflow` is given outside 'step' mode, or a backend cannot run on the mesh's
+      platform. Each in one line naming the value.
   """
-  mesh_lib.validate_mesh(config, mesh)
-  mesh_lib.validate_input(config, mesh, x.shape, x.dtype)
-  return forward_checked(params, x, config=config, mesh=mesh, step=step,
-                         layer_index=layer_index, force_dropless=force_dropless,
-                         after_overflow=after_overflow)
+  mesh_lib.check_layer(config, mesh, x.shape, x.dtype)
+  return forward_after_check(params, x, config=config, mesh=mesh, step=step,
+                             layer_index=layer_index, force_dropless=force_dropless,
+                             after_overflow=after_overflow, _chunk_loop=_chunk_loop)
 
 
-def forward_checked(params: MoEParams, x: jax.Array, *, config: MoEConfig, mesh: Mesh,
-                    step: jax.Array | int | None, layer_index: jax.Array | int | None,
-                    force_dropless: bool, after_overflow: jax.Array | bool | None
-                    ) -> tuple[jax.Array, MoEStats]:
-  """`moe_forward` once its mesh and input checks passed (`MoELayer` makes them before it
-  creates its parameters)."""
+def forward_after_check(params: MoEParams, x: jax.Array, *, config: MoEConfig, mesh: Mesh,
+                        step: jax.Array | int | None = None,
+                        layer_index: jax.Array | int | None = None,
+                        force_dropless: bool = False,
+                        after_overflow: jax.Array | bool | None = None,
+                        _chunk_loop: fallback.ChunkLoop | None = None
+                        ) -> tuple[jax.Array, MoEStats]:
+  """`moe_forward` once `moe_hk.mesh.check_layer` passed for this mesh and input (`MoELayer`
+  checks before it creates its parameters, then calls this)."""
   step_mode = config.moe_dropless_fallback == "step"
   if after_overflow is not None and not step_mode:
     raise ValueError("after_overflow is only for moe_dropless_fallback='step', not "
                      f"{config.moe_dropless_fallback!r}.")
   after = jnp.asarray(False if after_overflow is None else after_overflow, bool)
+  chunk_loop = fallback.scan_chunks if _chunk_loop is None else _chunk_loop
   backends = resolve_backends(config, mesh)
   batch = mesh_lib.batch_spec(mesh)
   axes = tuple(mesh.axis_names)
@@ -179,12 +174,13 @@ def forward_checked(params: MoEParams, x: jax.Array, *, config: MoEConfig, mesh:
     experts = _gather_fsdp(ExpertWeights(wi_0, wi_1, wo), mesh, config)
     y, local = moe_shard(x_local, router_w, experts, config=config, backends=backends,
                          mesh_axes=axes, force_dropless=force_dropless,
-                         after_overflow=after_local if step_mode else None)
+                         after_overflow=after_local if step_mode else None,
+                         chunk_loop=chunk_loop)
     return y, reduce_stats(local, mesh, config)
 
   specs = param_specs(config, mesh)
   # The megablox kernels' pallas_calls declare no varying axes for their outputs, which
-  # shard_map's vma check rejects (as with splash attention in launch/attention.py).
+  # shard_map's vma check rejects (as with splash attention in launch/training/attention.py).
   fn = jax.shard_map(shard_fn, mesh=mesh, in_specs=(batch, P(), *specs),
                      out_specs=(batch, stats_specs), check_vma=backends.gmm != "megablox")
   y, stats = fn(x, after, *params)

@@ -12,7 +12,7 @@ errors from the residuals. To price a factor that has not run (`StepTimeModel`):
 
 * `capped(f)`: with two or more measured factors, a line in f through their fits (weighted by
   their errors); with one, the measured time scaled by the capped steps timed at f and at the
-  measured factor (`timed`: `launch.step_timer` on this machine), or, for a factor not timed,
+  measured factor (`timed`: `launch.planning.capped_timing` on this machine), or, for a factor not timed,
   by the step's matmul FLOPs at f over those at the measured factor. FLOPs:
   `StepFlops.fixed + f * StepFlops.per_factor` (`step_flops`): the expert matmuls over the
   receive buffer, whose rows are f x balanced; the rest does not depend on f. The FLOPs
@@ -37,7 +37,8 @@ import haiku as hk
 import ml_collections
 import numpy as np
 
-from launch import model
+import moe_hk
+from launch.training import model
 from metrics.traffic import Timings
 from moe_hk import dispatch_plan, fallback
 
@@ -69,16 +70,18 @@ class StepFlops(NamedTuple):
     return factor * self.per_factor / self.at(factor)
 
 
-def step_flops(params: hk.Params, config: ml_collections.ConfigDict) -> tuple[float, float]:
-  """Matmul FLOPs of a train step of `config`'s model with `params` (arrays or shapes), as
-  `(fixed, per_factor)`: 6 x parameters x tokens (forward and backward) plus attention's, the
+def step_flops(params: hk.Params, config: ml_collections.ConfigDict,
+               layer: moe_hk.MoEConfig) -> StepFlops:
+  """Matmul FLOPs of a train step of `config`'s model (MoE layers `layer`) with `params`
+  (arrays or shapes): 6 x parameters x tokens (forward and backward) plus attention's, the
   routed experts' part per unit of buffer factor (at factor 1 the buffers hold the balanced
   K / E of the tokens per expert)."""
   total, routed = model.parameter_counts(params)
   tokens = config.data.batch_size * config.data.seq_len
-  share = config.moe.num_experts_per_tok / config.moe.num_experts
-  return (6.0 * (total - routed) * tokens + model.attention_flops(config),
-          6.0 * routed * share * tokens)
+  share = layer.num_experts_per_tok / layer.num_experts
+  return StepFlops(6.0 * (total - routed) * tokens + model.attention_flops(config),
+                   6.0 * routed * share * tokens,
+                   moe_layers=config.num_layers // config.moe_every)
 
 
 def fallback_chunks(factor: float, *, tokens_per_device: int, seq_len: int, k: int, shards: int,

@@ -5,10 +5,10 @@ factor serves every layer, since the layer stack scans identical shapes). A laye
 factor `f` exactly when its required factor exceeds `f` (received rows > floor(N f) <=>
 received / N > f for whole rows), so the last `window` steps predict, for every candidate, the
 fallback frequency (steps with an overflowing layer) and the overflowing layers per step.
-Candidates are the multiples of `rung` up to the worst case. Two objectives:
+Candidates are the multiples of `factor_step` up to the worst case. Two objectives:
 
 * `'throughput'` (the default): the timed fetch intervals (`observe_interval`) fit
-  `launch.step_time`'s model, which predicts seconds per step at every candidate (the capped
+  `launch.planning.step_model`'s model, which predicts seconds per step at every candidate (the capped
   step, plus the overflowing layers x the fallback's chunks x a chunk's time). Once a full
   `window` has passed since the last change, move among the candidates whose predicted
   fallback frequency is at most `max_frequency` and that promise at least `min_gain` of the
@@ -43,18 +43,20 @@ from typing import Any, Callable, Collection, NamedTuple
 
 import numpy as np
 
-from launch import step_time
+from launch.planning import step_model
 from metrics.traffic import Timings
 
 OBJECTIVES = ("throughput", "fallback_frequency")
 
 
-def ladder(rung: float, worst_case: float) -> np.ndarray:
-  """Candidate factors: multiples of `rung` up to the worst case `min(P, E / K)` (included)."""
-  top = math.floor(worst_case / rung + 1e-9)
-  rungs = rung * np.arange(1, top + 1)
-  return rungs if rungs.size and np.isclose(rungs[-1], worst_case) else np.append(rungs,
-                                                                                 worst_case)
+def candidate_factors(factor_step: float, worst_case: float) -> np.ndarray:
+  """Candidate factors: multiples of `factor_step` up to the worst case `min(P, E / K)`
+  (included)."""
+  top = math.floor(worst_case / factor_step + 1e-9)
+  factors = factor_step * np.arange(1, top + 1)
+  if factors.size and np.isclose(factors[-1], worst_case):
+    return factors
+  return np.append(factors, worst_case)
 
 
 class Decision(NamedTuple):
@@ -63,26 +65,37 @@ class Decision(NamedTuple):
   evidence: dict      # what the window showed (for the alert)
 
 
-def check_settings(*, target: float, window: int, max_programs: int = 1,
-                   objective: str = "throughput", max_frequency: float = 0.5) -> None:
-  """Checks the autopilot's settings (`config.autopilot`): ValueError naming the bad one."""
-  if objective not in OBJECTIVES:
-    raise ValueError(f"config.autopilot.objective={objective!r} is invalid: must be one of "
-                     f"{', '.join(map(repr, OBJECTIVES))}.")
-  if not 0 < target < 1:
-    raise ValueError(f"config.autopilot.target_fallback_frequency={target} must be in (0, 1).")
-  if not 0 < max_frequency <= 1:
-    raise ValueError(f"config.autopilot.max_fallback_frequency={max_frequency} must be in "
-                     "(0, 1].")
-  if window < 4:
-    raise ValueError(f"config.autopilot.window={window} must be >= 4.")
-  if max_programs < 1:
-    raise ValueError(f"config.autopilot.max_programs={max_programs} must be >= 1.")
+def check_settings(section, layer) -> None:
+  """Checks `config.autopilot` (`section`) for a run whose MoE layers are `layer`
+  (`moe_hk.MoEConfig`): ValueError naming the first bad setting."""
+  if section.memory_budget_gib < 0:
+    raise ValueError(f"config.autopilot.memory_budget_gib={section.memory_budget_gib} must "
+                     "be >= 0.")
+  if not section.enabled:
+    return
+  if layer.moe_dropless_fallback == "none" or not layer.capped:
+    raise ValueError(
+        "config.autopilot.enabled=True needs a capped buffer (ragged_buffer_factor > 0) and a "
+        "fallback (config.moe.moe_dropless_fallback 'layer' or 'step', not "
+        f"{layer.moe_dropless_fallback!r}): a lower factor would otherwise drop rows.")
+  if section.objective not in OBJECTIVES:
+    raise ValueError(f"config.autopilot.objective={section.objective!r} is invalid: must be one "
+                     f"of {', '.join(map(repr, OBJECTIVES))}.")
+  if not 0 < section.target_fallback_frequency < 1:
+    raise ValueError("config.autopilot.target_fallback_frequency="
+                     f"{section.target_fallback_frequency} must be in (0, 1).")
+  if not 0 < section.max_fallback_frequency <= 1:
+    raise ValueError("config.autopilot.max_fallback_frequency="
+                     f"{section.max_fallback_frequency} must be in (0, 1].")
+  if section.window < 4:
+    raise ValueError(f"config.autopilot.window={section.window} must be >= 4.")
+  if section.max_programs < 1:
+    raise ValueError(f"config.autopilot.max_programs={section.max_programs} must be >= 1.")
 
 
 class Pricing(NamedTuple):
   """What the throughput objective needs besides the timings."""
-  flops: step_time.StepFlops                 # the step's matmul FLOPs per factor
+  flops: step_model.StepFlops                 # the step's matmul FLOPs per factor
   chunks: Callable[[float], float]           # fallback chunks per overflowing layer at a
                                              # factor (NaN: no fallback fits its buffer)
 
@@ -91,13 +104,11 @@ class FactorController:
   """Proposes the buffer factor from the required factors and timings of recent steps."""
 
   def __init__(self, factor: float, *, target: float, worst_case: float, window: int = 100,
-               rung: float = 0.125, objective: str = "fallback_frequency",
+               factor_step: float = 0.125, objective: str = "fallback_frequency",
                max_frequency: float = 0.5, pricing: Pricing | None = None,
                min_gain: float = 0.03, max_intervals: int = 256):
-    check_settings(target=target, window=window, objective=objective,
-                   max_frequency=max_frequency)
-    if objective == "throughput" and pricing is None:
-      raise ValueError("the throughput objective needs the step's pricing")
+    # The settings were checked where they are defined (`check_settings`, from the config).
+    assert objective in OBJECTIVES and (objective != "throughput" or pricing is not None)
     self.factor = float(factor)
     self.target = target
     self.window = window
@@ -105,7 +116,7 @@ class FactorController:
     self.max_frequency = max_frequency
     self.pricing = pricing
     self.min_gain = min_gain
-    self.ladder = ladder(rung, worst_case)
+    self.candidates = candidate_factors(factor_step, worst_case)
     self._required = collections.deque(maxlen=window)  # per step: [layers]
     self._matrix: np.ndarray | None = None  # _required as [steps, layers], when built
     self._fell_back = collections.deque(maxlen=window)
@@ -153,16 +164,16 @@ class FactorController:
     # fallback_steps is not kept: the step-time model needs the chunks only.
     return Timings(factors, steps, np.zeros_like(steps), chunks, seconds)
 
-  def prices(self) -> dict[float, step_time.Estimate]:
+  def prices(self) -> dict[float, step_model.Estimate]:
     """Predicted seconds per step of the factor in force and of every candidate not refused
     whose predicted fallback frequency is at most `max_frequency`; {} before any interval
     ran at the factor in force."""
     timings = self.timings()
     if self.pricing is None or not np.any(np.isclose(timings.factors, self.factor)):
       return {}
-    model = step_time.StepTimeModel(timings, self.pricing.flops)
+    model = step_model.StepTimeModel(timings, self.pricing.flops)
     out = {}
-    for f in sorted({self.factor, *map(float, self.ladder)}):
+    for f in sorted({self.factor, *map(float, self.candidates)}):
       if f != self.factor and (self._refused(f) or self.predicted_frequency(f) >
                                self.max_frequency):
         continue
@@ -174,7 +185,7 @@ class FactorController:
     return out
 
   def _smallest_fitting(self, above: float, frequency: float) -> float | None:
-    for f in self.ladder:
+    for f in self.candidates:
       if (f > above + 1e-9 and not self._refused(float(f)) and
           self.predicted_frequency(f) <= frequency):
         return float(f)

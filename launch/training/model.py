@@ -10,7 +10,6 @@ Parameters are float32; matmuls run in `config.dtype`.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import math
 from typing import NamedTuple
 
@@ -22,8 +21,8 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh
 
 import moe_hk
-from launch import attention as attention_lib, overrides
-from moe_hk import step_mode
+from launch.training import attention as attention_lib
+from moe_hk import fallback, step_mode
 
 
 class ModelOutput(NamedTuple):
@@ -45,42 +44,6 @@ REMAT_POLICIES = {
     "save_attention_moe": jax.checkpoint_policies.save_only_these_names("attention_out",
                                                                        "moe_out"),
 }
-
-# `MoEConfig` fields the launcher derives from its other keys: the model's width and compute
-# dtype, and `record_traffic` from `config.traffic.record`.
-DERIVED_MOE_FIELDS = ("emb_dim", "dtype", "record_traffic")
-# The layer's host callbacks, which `config.moe_metrics=False` needs off.
-CALLBACK_FIELDS = ("emit_fallback_events", "stream_step_stats")
-
-
-def moe_config_keys() -> tuple[str, ...]:
-  """The valid keys of `config.moe`: the `MoEConfig` fields the launcher does not derive."""
-  fields = [f.name for f in dataclasses.fields(moe_hk.MoEConfig)]
-  return tuple(f for f in fields if f not in DERIVED_MOE_FIELDS)
-
-
-def moe_config(config: ml_collections.ConfigDict) -> moe_hk.MoEConfig:
-  """The MoE layer settings of a model config: `config.moe`'s fields, with the model's
-  `emb_dim` and `dtype` and `config.traffic.record`. A key that is no MoE setting is a
-  ValueError naming where it moved or the closest valid ones; so is `config.moe_metrics=False`
-  with a layer callback on."""
-  valid = moe_config_keys()
-  for key in config.moe:
-    if f"moe.{key}" in overrides.MOVED_KEYS:
-      raise ValueError(f"config.moe.{key} moved to config.{overrides.MOVED_KEYS['moe.' + key]}.")
-    if key not in valid:
-      close = difflib.get_close_matches(key, valid, n=3, cutoff=0.5)
-      raise ValueError(f"config.moe.{key} is not a MoE setting" +
-                       (f"; did you mean {', '.join('config.moe.' + c for c in close)}?"
-                        if close else f"; valid keys: {', '.join(valid)}."))
-  on = [f"config.moe.{name}=True" for name in CALLBACK_FIELDS if config.moe.get(name, False)]
-  if not config.moe_metrics and on:
-    raise ValueError(f"config.moe_metrics=False turns the MoE telemetry off but "
-                     f"{' and '.join(on)} would still call back to the host: set "
-                     f"{'it' if len(on) == 1 else 'them'} False as well.")
-  return moe_hk.MoEConfig(**config.moe, emb_dim=config.emb_dim, dtype=config.dtype,
-                          record_traffic=config.traffic.record)
-
 
 def dense(x: jax.Array, features: int, name: str) -> jax.Array:
   """`x [..., Din] @ w [Din, features]` in x's dtype; w is a float32 parameter."""
@@ -110,7 +73,7 @@ def rotary(x: jax.Array, base: float = 10_000.0) -> jax.Array:
 
 def attention(x: jax.Array, c: ml_collections.ConfigDict, mesh: Mesh) -> jax.Array:
   """Causal grouped-query attention with rotary embeddings: `[B, S, D] -> [B, S, D]`, in the
-  form `config.attention_impl` names for the mesh's platform (`launch.attention`)."""
+  form `config.attention_impl` names for the mesh's platform (`launch.training.attention`)."""
   b, s, _ = x.shape
   groups, per_group = c.num_kv_heads, c.num_heads // c.num_kv_heads
   q = dense(x, c.num_heads * c.head_dim, "q").reshape(b, s, groups, per_group, c.head_dim)
@@ -130,21 +93,25 @@ def swiglu(x: jax.Array, hidden: int) -> jax.Array:
 class Transformer(hk.Module):
   """Tokens `[B, S]` int -> `ModelOutput`.
 
-  MoE blocks label their metric events with `step` and their ordinal among MoE blocks. In
-  'step' fallback mode the layer stack carries `moe_hk.step_mode`'s flag beside the
-  activations, so every MoE layer after an overflow runs dropless.
+  Its MoE blocks run `layer` (`moe_hk.MoEConfig`) and label their metric events with `step`
+  and their ordinal among MoE blocks. In 'step' fallback mode the layer stack carries
+  `moe_hk.step_mode`'s flag beside the activations, so every MoE layer after an overflow runs
+  dropless. `chunk_loop` is for measurements only (`launch.compiling.variants`): the loop the
+  fallback's chunks run in, `moe_hk.fallback.scan_chunks` by default.
   """
 
-  def __init__(self, config: ml_collections.ConfigDict, mesh: Mesh, name=None):
+  def __init__(self, config: ml_collections.ConfigDict, layer: moe_hk.MoEConfig, mesh: Mesh,
+               chunk_loop: fallback.ChunkLoop | None = None, name: str | None = None):
     super().__init__(name=name)
     self.config = config
     self.mesh = mesh
+    self.chunk_loop = chunk_loop
     # The fallback events leave once per step, all layers in one callback after the layer
     # stack (`__call__`), not from each layer: a rematerialised group would call back again
     # when the backward recomputes it, and each callback holds a device up until the host
     # takes it.
-    self.emit_fallback_events = config.moe.emit_fallback_events
-    self.moe_config = dataclasses.replace(moe_config(config), emit_fallback_events=False)
+    self.emit_fallback_events = layer.emit_fallback_events
+    self.moe_config = dataclasses.replace(layer, emit_fallback_events=False)
 
   def _group(self, x: jax.Array, after_overflow: jax.Array | None, moe_index: jax.Array,
              step: jax.Array | None) -> tuple[jax.Array, moe_hk.MoEStats]:
@@ -159,11 +126,11 @@ class Transformer(hk.Module):
         if i == c.moe_every - 1:
           layer = moe_hk.MoELayer(self.moe_config, self.mesh, name="moe")
           y, stats = layer(h, step=step, layer_index=moe_index, return_stats=True,
-                           after_overflow=after_overflow)
+                           after_overflow=after_overflow, _chunk_loop=self.chunk_loop)
           y = checkpoint_name(y, "moe_out")
           if c.shared_expert:
             with hk.name_scope("shared_expert"):
-              y = y + swiglu(h, c.moe.mlp_dim)
+              y = y + swiglu(h, self.moe_config.mlp_dim)
         else:
           with hk.name_scope("mlp"):
             y = swiglu(h, c.mlp_dim)

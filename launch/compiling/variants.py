@@ -1,0 +1,99 @@
+"""The MoE variants `launch.aot` compiles the train step in, and what each compile reports.
+
+Every variant is the same train step (`launch.training.steps`: value-and-grad, AdamW, the
+donated state) with the run's MoE layers set up another way (`variant_layer`): the worst-case
+buffer, the capped buffer (rows may drop), capped + the `layer` fallback with fixed or
+adaptive chunks, `step` mode, and capped + a Python-unrolled chunk loop, the naive form the
+fallback's scan is measured against (`unrolled_chunks`: never a mode users pick).
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+import time
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+
+import moe_hk
+from launch.compiling import memory
+from launch.planning import flops as flops_lib
+from launch.settings import Settings
+from launch.training import model as model_lib
+from launch.training.steps import abstract_inputs, make_steps
+
+VARIANTS = ("worst_case", "capped", "fallback_scan", "fallback_adaptive", "step",
+            "fallback_unrolled")
+GIB = 1024 ** 3
+
+
+def unrolled_chunks(body, num_chunks: int) -> jax.Array:
+  """The naive fallback chunk loop (a `moe_hk.fallback.ChunkLoop`): a Python loop, so every
+  chunk's residuals stay alive until the backward; `scan_chunks` is measured against it."""
+  return jnp.stack([body(i) for i in range(num_chunks)])
+
+
+def variant_layer(layer: moe_hk.MoEConfig, variant: str) -> moe_hk.MoEConfig:
+  """`layer` set up as `variant` (the buffer factor stays the run's, except the worst case)."""
+  if variant == "worst_case":
+    return dataclasses.replace(layer, ragged_buffer_factor=-1.0, moe_dropless_fallback="none")
+  if variant == "capped":
+    return dataclasses.replace(layer, moe_dropless_fallback="none")
+  if variant == "step":
+    return dataclasses.replace(layer, moe_dropless_fallback="step")
+  chunking = "adaptive" if variant == "fallback_adaptive" else "fixed"
+  return dataclasses.replace(layer, moe_dropless_fallback="layer",
+                             dropless_fallback_chunking=chunking)
+
+
+def compile_variant(settings: Settings, devices: Sequence[jax.Device], variant: str) -> dict:
+  """Compiles the train step of `variant` for `devices`; returns its memory figures (bytes),
+  matmul FLOPs and compile time. A TPU program whose temporaries exceed HBM does not compile:
+  its figures are then the compiler's stated temporaries plus the argument shards."""
+  run = settings._replace(layer=variant_layer(settings.layer, variant))
+  mesh = moe_hk.make_mesh(**run.mesh, devices=devices)
+  steps = make_steps(run, mesh, unrolled_chunks if variant == "fallback_unrolled" else None)
+  state, batch = abstract_inputs(run.config, steps)
+  start = time.perf_counter()
+  lowered = steps.train.lower(state, batch)
+  row = {"variant": variant}
+  try:
+    compiled = lowered.compile()
+  except jax.errors.JaxRuntimeError as e:
+    need = re.search(r"HLO temporaries \(([\d.]+)G\) exceeds available HBM \(([\d.]+)G\)",
+                     str(e))
+    if not need:
+      raise
+    args = sum(memory.per_device_bytes(a) for a in jax.tree.leaves((state, batch)))
+    temp = int(float(need.group(1)) * GIB)
+    return {**row, "compiled": False, "total_bytes": args + temp, "argument_bytes": args,
+            "temp_bytes": temp, "hbm_bytes": int(float(need.group(2)) * GIB),
+            "compile_seconds": round(time.perf_counter() - start, 1)}
+  m = compiled.memory_analysis()
+  return {**row, "compiled": True, "total_bytes": memory.total_memory_bytes(compiled),
+          "flops": flops_lib.matmul_flops(steps.train, state, batch),
+          # Per device, each loop body once (XLA's cost analysis): a fraction of the step.
+          "xla_cost_analysis_flops": (compiled.cost_analysis() or {}).get("flops", 0.0),
+          "argument_bytes": int(m.argument_size_in_bytes),
+          "output_bytes": int(m.output_size_in_bytes), "temp_bytes": int(m.temp_size_in_bytes),
+          "alias_bytes": int(m.alias_size_in_bytes),
+          "compile_seconds": round(time.perf_counter() - start, 1)}
+
+
+def model_flops(settings: Settings, devices: Sequence[jax.Device]) -> dict:
+  """Parameters of the model (total, active per token) and 6 x active x tokens per step.
+
+  Active: every parameter but the routed experts', plus K / E of those (a token runs K of the
+  E experts); the tied embedding counts once (as the output projection). Attention's score
+  and value matmuls (12 x layers x heads x head_dim x S / 2 per token, causal) are added
+  separately: the 6N rule leaves them out."""
+  mesh = moe_hk.make_mesh(**settings.mesh, devices=devices)
+  shapes = jax.eval_shape(make_steps(settings, mesh).init, jax.random.key(0)).params
+  total, routed = model_lib.parameter_counts(shapes)
+  layer, data = settings.layer, settings.config.data
+  active = total - routed + routed * layer.num_experts_per_tok / layer.num_experts
+  tokens = data.batch_size * data.seq_len
+  return {"params": total, "active_params": active, "tokens": tokens,
+          "six_n_t": 6 * active * tokens,
+          "attention_flops": model_lib.attention_flops(settings.config)}

@@ -1,0 +1,1 @@
+"""Training: the loop (`trainer`), its compiled steps, the model, data, checkpoints, console."""

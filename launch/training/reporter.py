@@ -1,0 +1,169 @@
+"""What the training loop does with a fetch of finished steps: every step's points, the
+telemetry, the recorded traffic, the autopilot's evidence and the console's progress line.
+
+The train step's outputs stay on the device until the loop fetches a batch of them (every
+`config.log_every` steps, and before an eval, a checkpoint or a stop); `Reporter.flush`
+fetches them in one transfer and reports each step.
+"""
+from __future__ import annotations
+
+import time
+from typing import NamedTuple
+
+import jax
+import numpy as np
+
+import metrics
+from launch.planning import autopilot
+from launch.training import console as console_lib
+from metrics import traffic
+
+
+class Pending(NamedTuple):
+  """A step whose outputs are still on the device."""
+  step: int
+  outputs: dict        # loss, grad_norm, learning_rate, skipped, moe_stats (device arrays)
+  factor: float        # the ragged_buffer_factor of the program that ran it
+
+
+class Totals:
+  """What the run did so far, for the console's summary and the non-finite stop."""
+
+  def __init__(self):
+    self.steps = self.fallback_steps = self.dropped_rows = self.skipped = 0
+    self.consecutive_skipped = 0  # skipped steps in a row, up to the last step fetched
+    self.eval_loss: float | None = None
+
+
+class _Interval(NamedTuple):
+  """What one fetch's steps did, summed."""
+  fallback_steps: int
+  dropped_rows: int
+  skipped_steps: int
+
+
+class Reporter:
+  """Fetches pending steps' outputs from the device in one transfer and writes every step's
+  points: training scalars always (to the run's `writer`); the MoE telemetry when
+  `config.moe_metrics`; the routed traffic to `WORKDIR/traffic` (process 0) when
+  `config.traffic.record`; feeds the autopilot, if any; prints the interval's progress line."""
+
+  def __init__(self, config, writer: metrics.MoEMetricsWriter, moe_metrics: metrics.MoEMetrics,
+               tokens_per_step: int, recorder: traffic.TrafficRecorder | None,
+               pilot: autopilot.Autopilot | None, console: console_lib.Console):
+    self.config = config
+    self.writer = writer
+    self.moe_metrics = moe_metrics
+    self.tokens_per_step = tokens_per_step
+    self.recorder = recorder
+    self.pilot = pilot
+    self.console = console
+    self.losses: list[float] = []
+    self.totals = Totals()
+    self.dropless_steps = 0  # step mode: steps run dropless so far (moe/dropless_steps)
+    self._since = time.perf_counter()
+    self._compiled = False  # whether an interval after the one that compiled was timed
+    # Whether the interval under way holds more than its steps (an eval, a checkpoint, a
+    # switch of program, a background compile): its time then says nothing of a step's.
+    self._disturbed = False
+    self._compiles = self._compile_state()
+
+  def _compile_state(self) -> tuple[int, bool]:
+    """The autopilot's background compiles started so far, and whether one is under way."""
+    return (0, False) if self.pilot is None else (self.pilot.cache.compiled,
+                                                  self.pilot.cache.busy())
+
+  def disturbed(self) -> None:
+    """The interval under way also did other work than its steps: do not time it."""
+    self._disturbed = True
+
+  def flush(self, pending: list[Pending], stopping: bool = False, cut_short: bool = False
+            ) -> None:
+    """Fetches and reports `pending` (then empties it); `stopping`: the run stops after it
+    (its progress line shows no ETA); `cut_short`: a stop ended it before its boundary (no
+    speed either)."""
+    if not pending:
+      return
+    fetched = jax.device_get([p.outputs for p in pending])
+    # From fetch to fetch: the interval's time includes the host's work for the one before.
+    now = time.perf_counter()
+    seconds, self._since = now - self._since, now
+    interval = self._report_steps(pending, fetched, seconds)
+    clean = self._timed_cleanly()
+    chunks = [out["moe_stats"].fallback_chunks for out in fetched]
+    if clean and self.pilot is not None and len({p.factor for p in pending}) == 1:
+      self.pilot.observe_interval(pending[0].factor, len(pending), int(np.sum(chunks)), seconds,
+                                  steps_left=self.config.train_steps - pending[-1].step - 1)
+    if self.recorder is not None:
+      self.recorder.append([p.step for p in pending],
+                           np.stack([out["moe_stats"].routed_rows_per_device for out in fetched]),
+                           [p.factor for p in pending], np.stack(chunks),
+                           seconds if clean else float("nan"))
+    # The writes run on the writer's thread: the loop queues a flush and dispatches the next
+    # steps while TensorFlow writes this interval's points.
+    if self.config.moe_metrics:
+      self.moe_metrics.end_interval(pending[-1].step, wait=False)  # the expert-load image
+    else:
+      self.writer.flush(wait=False)
+    self._progress(pending, interval, seconds, stopping, cut_short)
+    pending.clear()
+
+  def _report_steps(self, pending: list[Pending], fetched: list[dict], seconds: float
+                    ) -> _Interval:
+    """Writes each fetched step's points, runs its alerts and feeds the autopilot."""
+    totals = self.totals
+    fallbacks = dropped = skipped_steps = 0
+    for p, out in zip(pending, fetched):
+      self.losses.append(float(out["loss"]))
+      skipped = bool(out["skipped"])
+      totals.skipped += skipped
+      totals.consecutive_skipped = totals.consecutive_skipped + 1 if skipped else 0
+      skipped_steps += skipped
+      stats = out["moe_stats"]
+      fallbacks += bool(np.any(stats.fallback))
+      dropped += int(np.sum(stats.dropped_rows))
+      scalars = {f"train/{k}": float(out[k]) for k in ("loss", "grad_norm", "learning_rate")}
+      scalars["train/skipped_steps"] = totals.skipped
+      if p is pending[-1]:
+        scalars["train/tokens_per_second"] = self.tokens_per_step * len(pending) / seconds
+      self.dropless_steps += bool(out.get("dropless", False))
+      if self.config.moe_metrics:
+        scalars["moe/ragged_buffer_factor"] = p.factor
+        self.moe_metrics.report_step(
+            p.step, stats, dropless_steps=self.dropless_steps if "dropless" in out else None)
+      self.writer.write_scalars(p.step, scalars)
+      if skipped:
+        self.moe_metrics.alerts.nonfinite_step(p.step, float(out["loss"]),
+                                               float(out["grad_norm"]))
+      if self.pilot is not None:
+        self.pilot.observe(stats)
+    totals.steps += len(pending)
+    totals.fallback_steps += fallbacks
+    totals.dropped_rows += dropped
+    return _Interval(fallbacks, dropped, skipped_steps)
+
+  def _timed_cleanly(self) -> bool:
+    """Whether the interval just fetched timed its steps alone: it was not the first, nothing
+    else disturbed it, and no autopilot compile was under way at either end or started in
+    between."""
+    compiles = self._compile_state()
+    clean = (self._compiled and not self._disturbed and compiles == self._compiles and
+             not compiles[1])
+    self._disturbed, self._compiles = False, compiles
+    return clean
+
+  def _progress(self, pending: list[Pending], interval: _Interval, seconds: float,
+                stopping: bool, cut_short: bool) -> None:
+    """The interval's progress line. The first interval's time is mostly compilation, and one
+    cut short by a stop may be a single step, its time mostly the host's work on the fetch
+    before: no speed from either."""
+    timed = self._compiled and not cut_short
+    self._compiled = True
+    steps = len(pending)
+    self.console.progress(console_lib.Interval(
+        last_step=pending[-1].step, loss=self.losses[-1],
+        seconds_per_step=seconds / steps if timed else None,
+        tokens_per_second=self.tokens_per_step * steps / seconds if timed else None,
+        fallback_steps=interval.fallback_steps, steps=steps,
+        dropped_rows=interval.dropped_rows, skipped_steps=interval.skipped_steps,
+        factor=pending[-1].factor, stopping=stopping))

@@ -1,0 +1,379 @@
+"""`train_and_evaluate(settings, workdir)`: the training loop behind `python -m launch.train`.
+
+Builds the mesh and the jitted steps (`launch.training.steps`); restores the newest readable
+orbax checkpoint in `workdir/checkpoints` if any; trains with the MoE metrics pipeline
+(TensorBoard tags and alerts in `workdir`), periodic eval and checkpoints (train state, data
+iterator, the MoE metrics' trailing windows, the autopilot); on SIGTERM finishes the current
+step, checkpoints it and returns. In `moe.moe_dropless_fallback='step'` mode an overflowing
+step runs dropless from its first overflowing MoE layer on, in the same compiled step (its
+outputs say whether it did). Works the same with one process or many (`jax.distributed`).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from typing import NamedTuple
+
+import jax
+import ml_collections
+import numpy as np
+from absl import logging
+from jax.experimental import multihost_utils
+
+import metrics
+import moe_hk
+from launch.errors import UserError, user_errors
+from launch.planning import autopilot, programs, step_model
+from launch.settings import Settings
+from launch.training import console as console_lib
+from launch.training import data as data_lib
+from launch.training.checkpoints import Checkpoints, Restored
+from launch.training.reporter import Pending, Reporter
+from launch.training.steps import Steps, abstract_inputs, make_steps
+from metrics import traffic
+from metrics.alerts import ALERTS_FILE
+from moe_hk import dispatch_plan
+
+
+def flat_hparams(config: ml_collections.ConfigDict) -> dict:
+  """`{'moe/num_experts': 8, ...}`: the config's scalar fields for TensorBoard's HParams."""
+  flat = {}
+  def walk(prefix, node):
+    for key, value in node.items():
+      if isinstance(value, (dict, ml_collections.ConfigDict)):
+        walk(f"{prefix}{key}/", value)
+      elif isinstance(value, (bool, int, float, str)):
+        flat[prefix + key] = value
+  walk("", config)
+  return flat
+
+
+class _Preemption:
+  """Turns SIGTERM into a flag the loop reads after each step (all processes agree on it)."""
+
+  def __init__(self):
+    self.requested = False
+    self._previous = None
+    if threading.current_thread() is threading.main_thread():
+      self._previous = signal.signal(signal.SIGTERM, self._handle)
+
+  def _handle(self, signum, frame):
+    logging.warning("SIGTERM: finishing the current step, then checkpointing.")
+    self.requested = True
+
+  def should_stop(self) -> bool:
+    if jax.process_count() == 1:
+      return self.requested
+    return bool(np.max(multihost_utils.process_allgather(np.int32(self.requested))))
+
+  def restore(self) -> None:
+    if self._previous is not None:
+      signal.signal(signal.SIGTERM, self._previous)
+
+
+class _Run(NamedTuple):
+  """What a run is set up with before its first step."""
+  settings: Settings
+  workdir: str
+  mesh: jax.sharding.Mesh
+  data: data_lib.Data
+  steps: Steps
+  console: console_lib.Console
+  checkpoints: Checkpoints
+  restored: Restored | None
+
+
+def _setup(settings: Settings, workdir: str) -> _Run:
+  """The mesh, data, steps and checkpoints of the run, checked before anything compiles."""
+  _check_workdir(workdir)
+  mesh = moe_hk.make_mesh(**settings.mesh)
+  with user_errors():
+    data = data_lib.make_data(settings.config, process_index=jax.process_index(),
+                              process_count=jax.process_count())
+  steps = make_steps(settings, mesh)
+  config = settings.config
+  checkpoints = Checkpoints(workdir, keep=config.checkpoints_to_keep,
+                            every=config.checkpoint_every)
+  restored = checkpoints.restore(abstract_inputs(config, steps)[0])
+  return _Run(settings, workdir, mesh, data, steps, console_lib.Console(config.train_steps),
+              checkpoints, restored)
+
+
+def _check_workdir(workdir: str) -> None:
+  """UserError unless `workdir` exists or can be created, and a file can be written in it."""
+  probe = os.path.join(workdir, f".write-test-{os.getpid()}")
+  try:
+    os.makedirs(workdir, exist_ok=True)
+    with open(probe, "w"):
+      pass
+    os.remove(probe)
+  except OSError as e:
+    raise UserError(f"workdir {workdir!r} cannot be created or written ({e.strerror or e}): "
+                    "pass a folder this user can write.") from None
+
+
+def _tokens_per_device(config) -> int:
+  """T: the tokens of one device's share of the global batch."""
+  return config.data.batch_size * config.data.seq_len // jax.device_count()
+
+
+def _autopilot(run: _Run, moe_metrics: metrics.MoEMetrics, worst_case: float,
+               flops: step_model.StepFlops) -> autopilot.Autopilot | None:
+  """The buffer-factor autopilot of `config.autopilot`, or None when it is off; `worst_case`
+  is the worst-case buffer's factor, its highest candidate; `flops` the step's matmul FLOPs."""
+  settings = run.settings
+  pilot, layer = settings.config.autopilot, settings.layer
+  if not pilot.enabled:
+    return None
+  shards = settings.expert_shards
+
+  def chunks(factor: float) -> float:
+    return step_model.fallback_chunks(
+        factor, tokens_per_device=_tokens_per_device(settings.config),
+        seq_len=settings.config.data.seq_len, k=layer.num_experts_per_tok, shards=shards,
+        local_experts=layer.num_experts // shards, requested=layer.dropless_fallback_num_chunks)
+  controller = autopilot.FactorController(
+      layer.ragged_buffer_factor, target=pilot.target_fallback_frequency,
+      worst_case=worst_case, window=pilot.window, objective=pilot.objective,
+      max_frequency=pilot.max_fallback_frequency, pricing=autopilot.Pricing(flops, chunks))
+  cache = autopilot.ProgramCache(programs.compiler(settings, run.mesh, run.steps),
+                                 budget_bytes=programs.memory_budget_bytes(settings, run.mesh),
+                                 max_programs=pilot.max_programs)
+  def on_change(step, old, new, decision):
+    moe_metrics.alerts.factor_changed(step, old, new, decision.reason, decision.evidence)
+  return autopilot.Autopilot(controller, cache, on_change=on_change, wait=pilot.wait)
+
+
+def _alerts_written(workdir: str) -> int:
+  """Lines in `workdir/alerts.jsonl` (0 when there is none)."""
+  path = os.path.join(workdir, ALERTS_FILE)
+  if not os.path.exists(path):
+    return 0
+  with open(path) as f:
+    return sum(1 for _ in f)
+
+
+class _Loop:
+  """The steps of one run from its first to its last or a stop: dispatch, fetch, eval,
+  checkpoint (`run`)."""
+
+  def __init__(self, run: _Run, state, reporter: Reporter, moe_metrics: metrics.MoEMetrics,
+               pilot: autopilot.Autopilot | None, stop_after: int | None):
+    self.run_ = run
+    self.config = run.settings.config
+    self.state = state
+    self.reporter = reporter
+    self.moe_metrics = moe_metrics
+    self.pilot = pilot
+    self.stop_after = stop_after
+    self.preemption = _Preemption()
+    self.pending: list[Pending] = []
+    self.first = int(state.step)
+
+  def save(self, step: int) -> None:
+    self.run_.checkpoints.save(step, self.state, self.run_.data.get_state(),
+                               self.moe_metrics.aggregator.state_dict(),
+                               {} if self.pilot is None else self.pilot.state_dict())
+
+  def stop_if_nonfinite(self, fetched: int, step: int) -> None:
+    """After a fetch through step `fetched`, with steps up to `step` dispatched: once too
+    many steps in a row were skipped, fetches the rest and stops the run with a checkpoint at
+    `step + 1`."""
+    skipped, limit = (self.reporter.totals.consecutive_skipped,
+                      self.config.max_consecutive_nonfinite)
+    if not (self.config.skip_nonfinite_steps and skipped >= limit):
+      return
+    self.reporter.flush(self.pending, stopping=True, cut_short=True)
+    self.save(step + 1)
+    self.run_.checkpoints.wait()
+    raise UserError(
+        f"{skipped} steps in a row up to step {fetched} had a non-finite loss or gradient "
+        f"norm (config.max_consecutive_nonfinite={limit}); they changed nothing, and the state "
+        f"is checkpointed at step {step + 1}: check the data and the learning rate, then "
+        "rerun to resume.")
+
+  def _batch(self, rows: np.ndarray) -> jax.Array:
+    """This process's rows `[B / processes, S + 1]` of the global batch, on its devices."""
+    return jax.make_array_from_process_local_data(
+        self.run_.steps.batch_sharding, rows, (self.config.data.batch_size, *rows.shape[1:]))
+
+  def _first_step(self, train, batch):
+    """Runs the first step, which compiles, and says how long it took."""
+    console = self.run_.console
+    console.line("compiling the train step (it runs once compiled) ...")
+    started = time.perf_counter()
+    self.state, out = train(self.state, batch)
+    jax.block_until_ready(out["loss"])
+    seconds = time.perf_counter() - started
+    console.line(f"first step: {seconds:.1f} s (compilation included)")
+    if self.pilot is not None:
+      self.pilot.compile_seconds = max(self.pilot.compile_seconds, seconds)
+    return out
+
+  def _evaluate(self, step: int) -> None:
+    config, run = self.config, self.run_
+    loss = float(np.mean([run.steps.eval_loss(self.state.params,
+                                              self._batch(run.data.eval_batch(i)))
+                          for i in range(config.eval_batches)]))
+    self.reporter.totals.eval_loss = loss
+    self.reporter.writer.write_scalars(step, {"eval/loss": loss})
+    self.reporter.disturbed()
+
+  def run(self, train, factor: float) -> None:
+    """Trains from the state's step to `config.train_steps`, or to a stop. An interval
+    fetched at a plain log boundary waits until the next step is dispatched, so the device
+    computes that step while the host writes the interval's points."""
+    reporter = self.reporter
+    deferred: list[Pending] = []
+    for step in range(self.first, self.config.train_steps):
+      switched = None if self.pilot is None else self.pilot.switch(step)
+      if switched is not None:
+        train, factor = switched.step, switched.factor
+      batch = self._batch(self.run_.data.train_batch(step))
+      if step == self.first:
+        out = self._first_step(train, batch)
+      else:
+        self.state, out = train(self.state, batch)
+      fetched = deferred[-1].step if deferred else None
+      reporter.flush(deferred)
+      if switched is not None:
+        reporter.disturbed()
+      self.pending.append(Pending(step, out, factor))
+      if fetched is not None:
+        self.stop_if_nonfinite(fetched, step)
+      if self._after_step(step, deferred):
+        break
+
+  def _after_step(self, step: int, deferred: list[Pending]) -> bool:
+    """Fetches, evaluates and checkpoints as step `step`'s boundary asks; True to stop."""
+    config, reporter = self.config, self.reporter
+    done = step + 1 == config.train_steps
+    evaluate = (step + 1) % config.eval_every == 0 or done
+    saving = self.run_.checkpoints.should_save(step + 1)
+    boundary = evaluate or saving or (step + 1) % config.log_every == 0
+    stopping = (self.stop_after is not None and step + 1 >= self.stop_after) or (
+        self.preemption.should_stop() if boundary or jax.process_count() == 1 else False)
+    if boundary and not (evaluate or saving or stopping):
+      deferred[:], self.pending = self.pending, []
+    elif boundary or stopping:
+      reporter.flush(self.pending, stopping=stopping and not done,
+                     cut_short=stopping and not boundary)
+      self.stop_if_nonfinite(step, step)
+    if evaluate:
+      self._evaluate(step)
+    if saving or stopping or done:
+      self.save(step + 1)
+      reporter.disturbed()
+    if stopping:
+      self.run_.console.line(f"stopping after step {step + 1} with a checkpoint")
+    return stopping
+
+
+def train_and_evaluate(settings: Settings, workdir: str, stop_after: int | None = None
+                       ) -> list[float]:
+  """Trains from the newest readable checkpoint in `workdir` (or from scratch) to
+  `config.train_steps`; returns the training losses of the steps it ran.
+
+  `stop_after` ends the run after that step with a checkpoint, as a preemption would (the
+  schedule still targets train_steps). The host runs ahead of the device: step outputs stay
+  on the device and are fetched every `config.log_every` steps (and before an eval, a
+  checkpoint or a stop), each step still getting its own TensorBoard points. With
+  `config.autopilot.enabled` the autopilot swaps in programs for other buffer factors at step
+  boundaries. A user's mistake found before compiling (workdir, data) raises `UserError`, as
+  do a failed checkpoint write and `config.max_consecutive_nonfinite` skipped steps in a row
+  (after a checkpoint).
+  """
+  run = _setup(settings, workdir)
+  config, restored = settings.config, run.restored
+  if restored is not None and restored.step >= config.train_steps:
+    run.console.line(f"{workdir} is at step {restored.step}, config.train_steps="
+                     f"{config.train_steps}: nothing to train. To train longer, rerun with "
+                     f"--config.train_steps=N, N > {restored.step}.")
+    run.checkpoints.close()
+    return []
+  state = run.steps.init(jax.random.key(config.seed)) if restored is None else restored.state
+  alerts_before = _alerts_written(workdir)
+  started = time.perf_counter()
+  loop = _train(run, state, stop_after)
+  _summary(run, loop.reporter, loop.first, time.perf_counter() - started,
+           _alerts_written(workdir) - alerts_before)
+  run.checkpoints.close()
+  return loop.reporter.losses
+
+
+def _train(run: _Run, state, stop_after: int | None) -> _Loop:
+  """Opens the run's writers and telemetry, resumes what the checkpoint holds and runs the
+  loop; returns it, finished."""
+  settings, layer, workdir = run.settings, run.settings.layer, run.workdir
+  worst = dispatch_plan.worst_case_factor(layer.num_experts, layer.num_experts_per_tok,
+                                          settings.expert_shards)
+  pilot = None
+  try:
+    # The run's event files: the trainer's scalars, and the MoE layers' through moe_metrics.
+    with metrics.MoEMetricsWriter(workdir) as writer, metrics.MoEMetrics(
+        workdir, worst_case_factor=worst, writer=writer, flush_on_sigterm=False) as moe_metrics:
+      writer.write_hparams(flat_hparams(settings.config))
+      flops = step_model.step_flops(state.params, settings.config, layer)
+      pilot = _autopilot(run, moe_metrics, worst, flops)
+      train, factor = _resume(run, moe_metrics, pilot)
+      reporter = Reporter(settings.config, writer, moe_metrics,
+                          settings.config.data.batch_size * settings.config.data.seq_len,
+                          _recorder(run, flops), pilot, run.console)
+      loop = _Loop(run, state, reporter, moe_metrics, pilot, stop_after)
+      try:
+        loop.run(train, factor)
+        run.checkpoints.wait()
+      finally:
+        loop.preemption.restore()
+  finally:
+    if pilot is not None:
+      pilot.cache.close()
+  return loop
+
+
+def _resume(run: _Run, moe_metrics: metrics.MoEMetrics, pilot: autopilot.Autopilot | None):
+  """Applies the restored checkpoint's data, metrics and autopilot state; returns the program
+  to start with and its buffer factor (the autopilot's, when it resumed at another)."""
+  restored, factor = run.restored, run.settings.layer.ragged_buffer_factor
+  if restored is not None:
+    run.data.set_state(restored.data)
+    moe_metrics.aggregator.load_state_dict(restored.moe_metrics)
+    if pilot is not None and restored.autopilot:
+      pilot.load_state_dict(restored.autopilot)
+    run.console.line(f"resumed from step {restored.step} ({run.checkpoints.directory})")
+  if pilot is None:
+    return run.steps.train, factor
+  if pilot.factor != factor:
+    return pilot.cache.compile_now(pilot.factor).step, pilot.factor
+  pilot.cache.add(autopilot.Program(factor, run.steps.train, None))
+  return run.steps.train, factor
+
+
+def _recorder(run: _Run, flops: step_model.StepFlops) -> traffic.TrafficRecorder | None:
+  """Process 0's traffic recorder when `config.traffic.record`, else None."""
+  config, layer = run.settings.config, run.settings.layer
+  if not (config.traffic.record and jax.process_index() == 0):
+    return None
+  return traffic.TrafficRecorder(
+      run.workdir, expert_shards=run.settings.expert_shards, k=layer.num_experts_per_tok,
+      tokens_per_device=_tokens_per_device(config), max_bytes=config.traffic.max_mib * 1024 ** 2,
+      shape=traffic.RunShape(config.data.seq_len,
+                             layer.dropless_fallback_chunking == "adaptive",
+                             layer.dropless_fallback_num_chunks, flops.fixed, flops.per_factor))
+
+
+def _summary(run: _Run, reporter: Reporter, first: int, seconds: float, alerts: int) -> None:
+  """The run's last lines: what it did and where its outputs are."""
+  totals, losses, console = reporter.totals, reporter.losses, run.console
+  if not losses:
+    return
+  evaluated = "" if totals.eval_loss is None else f" (eval {totals.eval_loss:.4g})"
+  console.line(
+      f"done: steps {first}-{first + len(losses) - 1} in {console_lib.duration(seconds)} | "
+      f"loss {losses[-1]:.4g}{evaluated} | fallback in {totals.fallback_steps}/{totals.steps} "
+      f"steps | dropped {totals.dropped_rows} rows | skipped {totals.skipped} non-finite steps")
+  console.line(f"alerts: {alerts} new in {os.path.join(run.workdir, ALERTS_FILE)} | "
+               f"TensorBoard: tensorboard --logdir {run.workdir} | checkpoints: "
+               f"{run.checkpoints.directory} (step {run.checkpoints.latest_step()})")
