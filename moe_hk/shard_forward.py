@@ -108,7 +108,6 @@ def moe_shard(x: jax.Array, router_w: jax.Array, experts: ExpertWeights, *, conf
     y = capped(operands, ids)
     ran_fallback, dropped, chunks = zero, would_drop, zero
 
-  y = routing_lib.nan_where_unrouted(y, route.finite.reshape(batch, seq))
   stats = MoEStats(
       fallback=ran_fallback,
       required_factor=dispatch_plan.required_factor(traffic, tokens * k),
