@@ -4,7 +4,9 @@ Rules:
   fallback_ran           a MoE layer fell back this step
   frequent_fallback      fallback frequency over the trailing window above a threshold
   rows_dropped           the capped buffer dropped rows (the fallback is off)
-  near_worst_case        the required factor came within a margin of the worst case
+  near_worst_case        the required factor stayed within a margin of the worst case for
+                         `near_worst_steps` steps in a row (the router collapsing, not the
+                         untrained router's transient)
   nonfinite_router_input a MoE layer got tokens whose router logits are not finite (NaN or inf
                          input): routed to no expert, their outputs NaN; not an overflow
   buffer_factor_changed  the launcher's autopilot switched the buffer factor (`factor_changed`)
@@ -13,8 +15,9 @@ Rules:
 
 Each overflow alert names the step, the layers, for each layer the receiving expert shards
 whose buffer overflowed and the three hottest experts, since when the condition holds, how
-often it happens, and the `ragged_buffer_factor` that would have avoided overflow in the
-trailing window's quantile; `nonfinite_router_input` names the step, the layers and their
+often it happens, and the factor rule's answer on the trailing window
+(`metrics.factor_advice`: the factor it names and why, or why it names none; the same rule
+the planner and the autopilot follow); `nonfinite_router_input` names the step, the layers and their
 non-finite token counts (`details`). `check` runs the rules on a finished step;
 `check_fallback` fires `fallback_ran` at once from a layer's fallback event (before the
 trainer fetches the step's stats). Sinks: absl `logging.warning`, `alerts.jsonl` in the
@@ -25,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import threading
 import time
@@ -33,6 +35,7 @@ from typing import Callable, NamedTuple
 
 from absl import logging
 
+from metrics import factor_advice
 from metrics.aggregator import LayerRecord, StepMetrics
 
 ALERTS_FILE = "alerts.jsonl"  # in the workdir: one JSON object per alert
@@ -43,7 +46,8 @@ NONFINITE_STEP_RULE = "nonfinite_step"
 @dataclasses.dataclass(frozen=True)
 class AlertConfig:
   frequency_threshold: float = 0.1   # frequent_fallback fires above this fraction of steps.
-  near_worst_fraction: float = 0.9   # near_worst_case fires at this fraction of the worst case.
+  near_worst_fraction: float = 0.9   # near_worst_case: this fraction of the worst case, ...
+  near_worst_steps: int = 10         # ... held on this many steps in a row.
   min_steps_between: int = 100       # rate limit per rule, in steps.
 
 
@@ -56,16 +60,13 @@ class Alert(NamedTuple):
   since: int
   frequency: float
   required_factor: float
-  recommended_ragged_buffer_factor: float
+  # The factor rule's factor (None: the evidence names none; for buffer_factor_changed the
+  # new factor).
+  recommended_ragged_buffer_factor: float | None
   message: str
   # buffer_factor_changed: old and new factor, the evidence; nonfinite_router_input:
   # {"nonfinite_tokens": [count per layer in `layers`]}; nonfinite_step: loss, grad_norm.
   details: dict | None = None
-
-
-def _round_up(factor: float) -> float:
-  """A factor to recommend: the next multiple of 0.05 at or above `factor`."""
-  return math.ceil(factor * 20 - 1e-9) / 20
 
 
 class AlertManager:
@@ -84,16 +85,20 @@ class AlertManager:
     self.path = os.path.join(workdir, ALERTS_FILE) if workdir else None
     self._since: dict[str, int] = {}
     self._last_sent: dict[str, int] = {}
+    self._near_worst: dict[int, int] = {}  # layer -> steps in a row near the worst case
     self._lock = threading.Lock()
 
   def _conditions(self, m: StepMetrics) -> dict[str, list[int]]:
     """Rule -> layers it concerns, for the rules that hold at this step."""
     layers = m.layers.items()
+    near = self.config.near_worst_fraction * self.worst_case_factor
+    self._near_worst = {i: self._near_worst.get(i, 0) + 1 for i, r in layers
+                        if r.required_factor >= near}
     held = {
         "fallback_ran": [i for i, r in layers if r.fallback],
         "rows_dropped": [i for i, r in layers if r.dropped_rows > 0],
-        "near_worst_case": [i for i, r in layers if r.required_factor >=
-                            self.config.near_worst_fraction * self.worst_case_factor],
+        "near_worst_case": [i for i, n in self._near_worst.items()
+                            if n >= self.config.near_worst_steps],
         NONFINITE_RULE: [i for i, r in layers if r.nonfinite_tokens > 0],
     }
     if m.fallback_frequency > self.config.frequency_threshold:
@@ -110,13 +115,13 @@ class AlertManager:
       return [a for rule, layers in held.items() if (a := self._fire(m, rule, layers))]
 
   def check_fallback(self, step: int, layer: int, record: LayerRecord, *,
-                     frequency: float, recommended_factor: float) -> Alert | None:
+                     frequency: float, advice: factor_advice.Advice) -> Alert | None:
     """`fallback_ran` for one layer's fallback event, before its step is finished;
-    `frequency` and `recommended_factor` are the window's, counting this step."""
+    `frequency` and `advice` are the window's, counting this step."""
     m = StepMetrics(step=step, layers={layer: record}, fallback_layers=1,
                     lb_loss=record.lb_loss, z_loss=record.z_loss,
                     required_factor=record.required_factor, dropped_rows_fraction=0.0,
-                    fallback_frequency=frequency, recommended_factor=recommended_factor)
+                    fallback_frequency=frequency, advice=advice)
     with self._lock:
       return self._fire(m, "fallback_ran", [layer])
 
@@ -162,7 +167,7 @@ class AlertManager:
                  "step and the learning rate.")
       alert = Alert(time=time.time(), step=step, rule=NONFINITE_STEP_RULE, layers=[],
                     hotspots=[], since=step, frequency=0.0, required_factor=0.0,
-                    recommended_ragged_buffer_factor=0.0, message=message,
+                    recommended_ragged_buffer_factor=None, message=message,
                     details={"loss": loss, "grad_norm": grad_norm})
       self._send(alert)
     return alert
@@ -186,15 +191,17 @@ class AlertManager:
     return alert
 
   def _alert(self, m: StepMetrics, rule: str, layers: list[int], since: int) -> Alert:
-    recommended = _round_up(m.recommended_factor)
+    recommended = m.recommended_factor
     if rule == NONFINITE_RULE:
       return self._nonfinite_alert(m, layers, since, recommended)
     what = {
         "fallback_ran": "ran the dropless fallback",
         "rows_dropped": f"dropped {m.dropped_rows_fraction:.2%} of routed rows",
-        "near_worst_case": (f"needed a buffer factor of {m.required_factor:.3g}, within "
+        "near_worst_case": (f"needed a buffer factor within "
                             f"{1 - self.config.near_worst_fraction:.0%} of the worst case "
-                            f"{self.worst_case_factor:.3g}"),
+                            f"{self.worst_case_factor:.3g} on {self.config.near_worst_steps} "
+                            f"steps in a row (now {m.required_factor:.3g}): the router is "
+                            "collapsing onto few experts; raise load_balance_loss_weight"),
         "frequent_fallback": (f"overflowed on {m.fallback_frequency:.0%} of recent steps "
                               f"(threshold {self.config.frequency_threshold:.0%})"),
     }[rule]
@@ -207,15 +214,14 @@ class AlertManager:
                f"the MoE layers {what} (none at this step)")
     message = (f"MoE overflow [{rule}] at step {m.step}: {subject}; "
                f"since step {since}, fallback frequency {m.fallback_frequency:.0%}, required "
-               f"factor {m.required_factor:.3g}; ragged_buffer_factor={recommended} would have "
-               f"avoided overflow in the recent window.")
+               f"factor {m.required_factor:.3g}; {m.advice.reason}")
     return Alert(time=time.time(), step=m.step, rule=rule, layers=layers, hotspots=hotspots,
                  since=since,
                  frequency=m.fallback_frequency, required_factor=m.required_factor,
                  recommended_ragged_buffer_factor=recommended, message=message)
 
   def _nonfinite_alert(self, m: StepMetrics, layers: list[int], since: int,
-                       recommended: float) -> Alert:
+                       recommended: float | None) -> Alert:
     """`nonfinite_router_input`: bad input, not traffic, so no hotspots (the non-finite tokens
     went to no expert and overflowed nothing)."""
     counts = [m.layers[i].nonfinite_tokens for i in layers]

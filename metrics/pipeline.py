@@ -16,7 +16,7 @@ from typing import Any, Callable, Mapping
 import jax
 import numpy as np
 
-from metrics.aggregator import Aggregator, StepMetrics, layer_record
+from metrics.aggregator import AdviceSettings, Aggregator, StepMetrics, layer_record
 from metrics.alerts import Alert, AlertConfig, AlertManager
 from metrics.writer import DROPLESS_STEPS_TAG, MoEMetricsWriter
 from moe_hk import events
@@ -32,11 +32,13 @@ class MoEMetrics:
   """
 
   def __init__(self, workdir: str, *, worst_case_factor: float, window: int = 100,
-               quantile: float = 0.99, alert_config: AlertConfig = AlertConfig(),
+               max_fallback_frequency: float = 0.5, target_fallback_frequency: float = 0.01,
+               alert_config: AlertConfig = AlertConfig(),
                alert_callback: Callable[[Alert], None] | None = None,
                hparams: Mapping[str, Any] | None = None, asynchronous: bool = True,
                flush_on_sigterm: bool = True, writer: MoEMetricsWriter | None = None):
-    self.aggregator = Aggregator(window=window, quantile=quantile)
+    self.aggregator = Aggregator(window=window, advice=AdviceSettings(
+        worst_case_factor, max_fallback_frequency, target_fallback_frequency))
     # A writer passed in belongs to the caller, who closes it; otherwise one of its own.
     self._owns_writer = writer is None
     self.writer = MoEMetricsWriter(workdir, asynchronous=asynchronous) if writer is None else writer
@@ -61,15 +63,20 @@ class MoEMetrics:
     self.aggregator(event)
     if event.name == events.FALLBACK_EVENT:
       record = layer_record(event.stats, process=event.process)
-      frequency, recommended = self.aggregator.summary_with_fallback(record.required_factor)
+      frequency, advice = self.aggregator.summary_with_fallback(event.layer,
+                                                               record.required_factor)
       self.alerts.check_fallback(event.step, event.layer, record._replace(fallback=True),
-                                 frequency=frequency, recommended_factor=recommended)
+                                 frequency=frequency, advice=advice)
 
-  def report_step(self, step: int, stats: Any, *, dropless_steps: int | None = None,
+  def report_step(self, step: int, stats: Any, *, factor: float | None = None,
+                  dropless_steps: int | None = None,
                   extra_scalars: Mapping[str, float] | None = None) -> StepMetrics | None:
     """Files the stats a train step returned (`MoEStats`, numpy, fields `[layers, ...]`),
     finishes the step, writes it (with step mode's running count `dropless_steps`), runs the
-    alerts."""
+    alerts; `factor` is the buffer factor the step ran at (the factor rule's factor in
+    force)."""
+    if factor is not None:
+      self.aggregator.factor = float(factor)
     process = jax.process_index()
     for layer in range(np.shape(stats.fallback)[0]):
       one = type(stats)(*(np.asarray(field)[layer] for field in stats))

@@ -11,7 +11,9 @@ Tags (docs/metrics.md; `<i>` is the 0-based ordinal among MoE layers):
   moe/required_ragged_buffer_factor           max over layers of the factor the traffic needed
   moe/required_ragged_buffer_factor/layer_<i> per MoE layer
   moe/dropped_rows_fraction                   rows dropped / rows routed
-  moe/recommended_ragged_buffer_factor        high quantile of recent required factors
+  moe/recommended_ragged_buffer_factor        the factor rule's factor on the trailing window
+                                              (metrics.factor_advice; no point when it names
+                                              none)
   moe/lb_loss, moe/z_loss                     weighted load-balance and router z-loss, all layers
   moe/load_max_over_mean/layer_<i>            busiest expert's rows over the mean per expert
   moe/dead_experts/layer_<i>                  experts that got no row
@@ -69,10 +71,11 @@ def step_scalars(m: StepMetrics) -> dict[str, float]:
       FREQUENCY_TAG: m.fallback_frequency,
       REQUIRED_FACTOR_TAG: m.required_factor,
       DROPPED_FRACTION_TAG: m.dropped_rows_fraction,
-      RECOMMENDED_FACTOR_TAG: m.recommended_factor,
       LB_LOSS_TAG: m.lb_loss,
       Z_LOSS_TAG: m.z_loss,
   }
+  if m.recommended_factor is not None:
+    scalars[RECOMMENDED_FACTOR_TAG] = m.recommended_factor
   for layer, r in m.layers.items():
     scalars[f"{REQUIRED_FACTOR_TAG}/layer_{layer}"] = r.required_factor
     scalars[f"{LOAD_MAX_OVER_MEAN_TAG}/layer_{layer}"] = r.load_max_over_mean

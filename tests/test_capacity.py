@@ -64,6 +64,21 @@ def run(tmp_path_factory):
   return workdir, counts
 
 
+def test_required_factors_are_each_layers_busiest_receiver(run):
+  """The planner's evidence, computed by hand: per step and layer, the most rows any expert
+  shard of any expert group receives, over N = T x K."""
+  workdir, counts = run
+  traffic = read_traffic(str(workdir))
+  local = EXPERTS // SHARDS
+  by_receiver = counts.reshape(300, LAYERS, DEVICES // SHARDS, SHARDS, SHARDS, local)
+  received = by_receiver.sum(axis=(3, 5))  # [n, layers, groups, receivers]: senders, experts
+  np.testing.assert_allclose(replay.required_factors(traffic),
+                             received.max(axis=(2, 3)) / (TOKENS * K), rtol=1e-12)
+  last = replay.window(traffic, 100)
+  np.testing.assert_array_equal(last.steps, np.arange(200, 300))
+  assert replay.window(traffic, 0) is traffic and replay.window(traffic, 500) is traffic
+
+
 def test_round_trip(run):
   workdir, counts = run
   traffic = read_traffic(str(workdir))
@@ -359,29 +374,41 @@ def cli(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_cli_json_end_to_end(run):
+  """The whole run (--window=0) replayed, no timings: the pick is the smallest factor (of
+  1/8) that falls back on at most 1% of the steps, joined to the default rows."""
   workdir, _ = run
-  done = cli(f"--workdir={workdir}", "--format=json")
+  done = cli(f"--workdir={workdir}", "--format=json", "--window=0")
   assert done.returncode == 0, done.stderr[-3000:]
   results = json.loads(done.stdout)
-  assert all(r.keys() == {"factor", "fallback_frequency", "overflowing_layers_mean",
-                          "would_drop_fraction", "buffer_rows", "expert_shards"}
-             for r in results)
-  factors = sorted({*replay.DEFAULT_FACTORS, 1.5, 2.2})  # the run's factors join the default
+  replayed = {"factor", "fallback_frequency", "overflowing_layers_mean", "would_drop_fraction",
+              "buffer_rows", "expert_shards"}
+  assert all(r.keys() == replayed | {"step_seconds", "step_seconds_se", "relative_step_time",
+                                     "pick"} for r in results)
+  (picked,) = [r for r in results if r["pick"]]
+  recorded = read_traffic(str(workdir))
+  required = replay.required_factors(recorded)  # [steps, layers]
+  covered = [f / 8 for f in range(1, 33) if np.mean((required > f / 8).any(axis=1)) <= 0.01]
+  assert picked["factor"] == min(covered) and picked["step_seconds"] is None
+  # The run's factors and the pick join the default rows.
+  factors = sorted({*replay.DEFAULT_FACTORS, 1.5, 2.2, picked["factor"]})
   assert [r["factor"] for r in results] == factors
-  assert results == replay.plan(read_traffic(str(workdir)), factors)
+  assert [{k: r[k] for k in replayed} for r in results] == replay.plan(recorded, factors)
+  assert done.stderr.splitlines()[-1].startswith(
+      f"pick: {picked['factor']:g} (fallback_frequency): ragged_buffer_factor="
+      f"{picked['factor']:g} would have run the fallback on ")
   with open(workdir / "capacity.png", "rb") as f:
     png = f.read()
   assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 20_000
 
 
 def test_cli_table(run, capsys):
-  run_main(f"--workdir={run[0]}", "--factors=2.2,1,1", "--expert_shards=2")
+  run_main(f"--workdir={run[0]}", "--factors=2.2,1,1", "--expert_shards=2", "--window=0")
   out = capsys.readouterr().out
   assert out.startswith("300 steps (0..299), 3 MoE layers, 8 devices, E=8, T=16, K=2; expert "
                         "groups of P=2 (recorded with P=4); 0 files skipped\n")
   rows = [line for line in out.splitlines() if line.startswith("| ")]
   assert rows[0].startswith("| factor | buffer rows | fallback frequency |")
-  assert [row.split(" | ")[0] for row in rows[1:]] == ["| 1", "| 2.2 (run)"]
+  assert [row.split(" | ")[0] for row in rows[1:]] == ["| 1", "| 2.2 (run, pick)"]
 
 
 @pytest.mark.parametrize("args,message", [
@@ -426,8 +453,10 @@ def test_cli_skips_unreadable_files_with_a_warning_each(damaged):
   workdir, _, bad = damaged
   done = cli(f"--workdir={workdir}", "--factors=1,2")
   assert done.returncode == 0, done.stderr[-3000:]
-  assert done.stdout.startswith("200 steps (0..199), 3 MoE layers, 8 devices, E=8, T=16, K=2; "
-                                "expert groups of P=4 (recorded with P=4); 2 files skipped\n")
+  # The default window: the last 100 of the 200 readable steps.
+  assert done.stdout.startswith("100 steps (100..199, the last 100 of the run), 3 MoE layers, "
+                                "8 devices, E=8, T=16, K=2; expert groups of P=4 (recorded "
+                                "with P=4); 2 files skipped\n")
   assert "Traceback" not in done.stderr and "allow_pickle" not in done.stderr
   for path, reason in zip(bad, ("truncated or corrupt zip (File is not a zip file)",
                                 "not a zip file"), strict=True):

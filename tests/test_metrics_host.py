@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from metrics import Aggregator, AlertConfig, AlertManager, MoEMetrics, MoEMetricsWriter
+from metrics.aggregator import AdviceSettings
 from metrics.event_files import read_scalars
 from metrics.step_summaries import grey_png
 from metrics.writer import DROPLESS_STEPS_TAG
@@ -44,15 +45,38 @@ def test_duplicates_collapse_to_one_record_per_layer_and_remember_processes():
 
 
 def test_dropped_fraction_frequency_and_recommended_factor():
-  agg = Aggregator(window=4, quantile=0.5)
+  """Without step timings the rule names the smallest candidate (multiples of 1/8) whose
+  replayed fallback frequency is at most the target: the window's required factors decide."""
+  agg = Aggregator(window=4, advice=AdviceSettings(worst_case=8.0, target=0.25))
   history = [(1.0, 0), (3.0, 1), (2.0, 0), (5.0, 1), (1.5, 0)]
   for step, (factor, fell_back) in enumerate(history):
     agg(_event(step, 0, fallback=fell_back, factor=factor, dropped=2 * (1 - fell_back)))
     m = agg.finish_step(step)
   # The window holds the last 4 steps: factors 3, 2, 5, 1.5 and fallbacks 1, 0, 1, 0.
   assert m.fallback_frequency == 0.5
-  assert m.recommended_factor == pytest.approx(np.quantile([3.0, 2.0, 5.0, 1.5], 0.5))
+  # At 3.0 only the step needing 5.0 falls back (1 of 4 <= 25%); at 2.875 two do.
+  assert m.recommended_factor == 3.0 and m.advice.objective == "fallback_frequency"
+  assert m.advice.reason.startswith("ragged_buffer_factor=3 would have run the fallback on 1 "
+                                    "of the last 4 steps")
   assert m.dropped_rows_fraction == 2 / 16
+
+
+@pytest.mark.parametrize("required,recommended", [
+    (3.703125, 3.75),  # the default job's step 9: 3.7 would hold 1,894 rows of the 1,896
+    (3.75, 3.75),      # a layer needing exactly the factor's rows fits it
+    (3.751953125, 3.875)])  # 3.75 + 2^-9, exact in float32
+def test_the_recommendation_covers_the_steps_it_claims(required, recommended):
+  """The recommended factor, replayed on the window, really avoids the fallback on the steps
+  the message says: a required factor just above a multiple of 0.05 (or of 1/8) is covered
+  by the next candidate up, never rounded below it."""
+  agg = Aggregator(window=10, advice=AdviceSettings(worst_case=4.0))
+  for step, factor in enumerate([1.5, 2.0, required, 1.8]):
+    agg(_event(step, 0, factor=factor))
+    m = agg.finish_step(step)
+  assert m.recommended_factor == recommended
+  assert m.recommended_factor >= required  # at it the layer overflows only if required > it
+  assert f"ragged_buffer_factor={recommended:g} would have run the fallback on 0 of the last 4 " \
+         "steps" in m.advice.reason
 
 
 def test_late_events_are_ignored_and_open_steps_bounded():
@@ -222,10 +246,19 @@ def test_frequency_rule_fires_above_threshold_only(manager):
 
 
 def test_drop_and_near_worst_case_rules(manager):
+  """near_worst_case needs the required factor near the worst case on `near_worst_steps` (10)
+  steps in a row: the untrained router's transient (3 such steps in the default job) raises
+  nothing; a collapsed router does, once, and a step below the margin ends the run."""
   m, received, _, steps = manager
   rules = {a.rule for a in m.check(steps(0, dropped=4, would_drop=4, factor=3.7))}
-  assert rules == {"rows_dropped", "near_worst_case"}
-  assert m.check(steps(1, factor=3.5)) == []  # 3.5 < 0.9 * 4
+  assert rules == {"rows_dropped"}
+  for step, factor in zip(range(1, 4), (3.8, 3.65, 3.5)):  # 3.5 < 0.9 * 4
+    assert not any(a.rule == "near_worst_case" for a in m.check(steps(step, factor=factor)))
+  fired = [step for step in range(4, 20)
+           if any(a.rule == "near_worst_case" for a in m.check(steps(step, factor=4.0)))]
+  assert fired == [13, 18]  # the 10th step in a row, then rate-limited (every 5 steps)
+  [alert] = [a for a in received if a.rule == "near_worst_case"][:1]
+  assert alert.since == 13 and "on 10 steps in a row" in alert.message
 
 
 def test_nonfinite_router_input_alert_is_rate_limited_and_blames_no_expert(manager):

@@ -1,6 +1,6 @@
-"""`launch.planning.step_model` and the planner's prices (`launch.planning.replay.price`,
-`pick`) on intervals
-whose true step and chunk times are known."""
+"""`launch.planning.step_model` and the planner's prices and pick (`launch.planning.replay`,
+the factor rule of `metrics.factor_advice`) on intervals whose true step and chunk times are
+known."""
 import json
 import re
 import sys
@@ -15,11 +15,13 @@ from metrics.traffic import RunShape, Timings, Traffic, TrafficRecorder, read_tr
 from moe_hk import fallback
 from tests.test_capacity import K, META, SHARDS, TOKENS, skewed_counts
 
-FLOPS = step_time.StepFlops(fixed=3e9, per_factor=1e9, moe_layers=3)
+# The matmul FLOPs are proportional to the true capped step (4 + f): scaled by them, the one
+# measured factor prices every other exactly, so the truth below checks the prices.
+FLOPS = step_time.StepFlops(fixed=4e9, per_factor=1e9, moe_layers=3)
 
 
 def true_capped(factor):  # seconds: a step without fallback, linear in the buffer rows
-  return 0.2 + 0.05 * factor
+  return 0.05 * (4 + factor)
 
 
 def true_chunk(factor):   # seconds: one fallback chunk, proportional to its buffer rows
@@ -131,29 +133,72 @@ def test_recorded_shape_and_timings_round_trip(timed_run):
   assert len(traffic.timings.seconds) == 20 and traffic.timings.chunks.sum() > 0
 
 
+def true_step(traffic, factor: float) -> float:
+  """Mean seconds per step at `factor` of the timed run's steps, by hand from the counts: a
+  layer overflows when an expert shard receives more than floor(N f) rows; each overflowing
+  layer runs the fewest chunks whose worst case fits that buffer."""
+  n, layers = traffic.counts.shape[:2]
+  rows = int(np.floor(TOKENS * K * factor))
+  by_receiver = traffic.counts.reshape(n, layers, 2, SHARDS, SHARDS, 2)
+  overflowing = (by_receiver.sum(axis=(3, 5)) > rows).any(axis=(2, 3))     # [n, layers]
+  worst = lambda chunks: SHARDS * TOKENS // chunks * min(K, 2)
+  chunks = next(c for c in range(1, SEQ + 1) if SEQ % c == 0 and worst(c) <= rows)
+  return true_capped(factor) + overflowing.sum(axis=1).mean() * chunks * true_chunk(factor)
+
+
 def test_planner_prices_factors_within_their_errors_and_picks_the_fastest_that_fits(timed_run):
-  """At the run's factor the prediction is the measured mean; the chunk time it fits is the
-  truth's; the pick is the cheapest predicted factor, or under a budget the cheapest that fits."""
+  """Every factor's predicted seconds per step equal the independent truth within three
+  standard errors (the run's intervals have 2% noise); the rule picks the truly fastest
+  factor that falls back on at most half the steps, and under a memory budget the fastest
+  that fits; a factor that does not fit, or falls back too often, is never named."""
   _, traffic = timed_run
-  results = replay.plan(traffic, [1.0, 1.5, 2.0, 3.0])
-  assert replay.price(traffic, results)
-  at_run = next(r for r in results if r["factor"] == 1.5)
-  assert at_run["relative_step_time"] == 1.0
-  measured = traffic.timings.seconds.sum() / traffic.timings.steps.sum()
-  assert abs(at_run["step_seconds"] - measured) < 3 * at_run["step_seconds_se"] + 1e-3
-  for r in results:
-    assert r["step_seconds"] > 0 and r["step_seconds_se"] > 0
-  fastest = min(results, key=lambda r: r["step_seconds"])
-  assert replay.pick(results, None) is fastest
-  memory = {1.0: 10, 1.5: 15, 2.0: 20, 3.0: 30}
-  for r in results:
-    r["memory_bytes_per_device"] = memory[r["factor"]]
-  budget = memory[fastest["factor"]] - 1  # excludes the fastest
-  chosen = replay.pick(results, budget)
-  assert chosen["memory_bytes_per_device"] <= budget
-  assert chosen["step_seconds"] == min(r["step_seconds"] for r in results
-                                       if r["memory_bytes_per_device"] <= budget)
-  assert replay.pick(results, 1) is None
+  advice = replay.advise(traffic, max_frequency=0.5, target=0.01)
+  assert advice.objective == "throughput"
+  for c in advice.candidates:
+    if c.factor < 1.0:  # no fallback fits a buffer below N: not priced
+      assert not np.isfinite(c.seconds)
+      continue
+    assert abs(c.seconds - true_step(traffic, c.factor)) <= 3 * c.se, c
+    assert 0 < c.se < 0.1 * c.seconds, c  # an error that says something
+  admissible = [c for c in advice.candidates if np.isfinite(c.seconds)
+                and c.fallback_frequency <= 0.5]
+  fastest = min(admissible, key=lambda c: true_step(traffic, c.factor))
+  assert advice.factor == fastest.factor != 1.5
+  assert advice.reason.startswith(f"ragged_buffer_factor={fastest.factor:g}: the fewest ")
+  # A budget that excludes it: the fastest of the rest.
+  fits = lambda f: f < fastest.factor
+  under = replay.advise(traffic, max_frequency=0.5, target=0.01, fits=fits)
+  rest = min((c for c in admissible if fits(c.factor)), key=lambda c: c.seconds)
+  assert under.factor == rest.factor
+  assert replay.advise(traffic, max_frequency=0.5, target=0.01,
+                       fits=lambda f: False).factor is None
+
+
+def test_the_pick_never_falls_back_more_than_allowed(timed_run):
+  """The default job's planner once picked factor 1, where the fallback ran on every step,
+  because the FLOPs priced it cheapest. With intervals whose time does not depend on the
+  chunks run (a chunk's time fits as 0), the factor whose fallback runs on every step is the
+  cheapest; the rule still refuses it."""
+  _, traffic = timed_run
+  timings = traffic.timings
+  cheap = traffic._replace(timings=timings._replace(seconds=timings.steps * true_capped(1.5)))
+  advice = replay.advise(cheap, max_frequency=0.5, target=0.01)
+  by_factor = {c.factor: c for c in advice.candidates}
+  cheapest = min((c for c in advice.candidates if np.isfinite(c.seconds)),
+                 key=lambda c: c.seconds)
+  assert cheapest.factor == 1.0 and cheapest.fallback_frequency == 1.0
+  assert advice.factor != cheapest.factor
+  assert by_factor[advice.factor].fallback_frequency <= 0.5
+
+
+def test_the_pick_is_none_when_the_timings_cannot_separate_it(timed_run):
+  """With one timed interval the error is unknown: no factor is named over the run's own, and
+  the reason says so (no `inf` printed)."""
+  _, traffic = timed_run
+  one = traffic.timings._replace(**{k: v[:1] for k, v in traffic.timings._asdict().items()})
+  advice = replay.advise(traffic._replace(timings=one), max_frequency=1.0, target=0.01)
+  assert advice.factor is None and "error unknown" in advice.reason
+  assert "inf" not in advice.reason
 
 
 def test_a_run_at_the_worst_case_is_priced_at_its_factor(timed_run):
@@ -166,29 +211,30 @@ def test_a_run_at_the_worst_case_is_priced_at_its_factor(timed_run):
     run = traffic._replace(factors=np.full_like(traffic.factors, recorded),
                            timings=timings._replace(factors=np.full_like(timings.factors,
                                                                          recorded)))
-    results = replay.plan(run, [1.5, 3.0, recorded])
-    assert replay.price(run, results)
-    priced[recorded] = [(r["step_seconds"], r["relative_step_time"]) for r in results]
+    advice = replay.advise(run, max_frequency=0.5, target=0.01, factors=[1.5, 3.0])
+    priced[recorded] = [(c.factor, c.seconds, c.se) for c in advice.candidates]
   np.testing.assert_allclose(priced[-1.0], priced[4.0], rtol=1e-12)
-  assert priced[-1.0][-1][1] == 1.0 and priced[-1.0][0][0] < priced[-1.0][-1][0]
+  assert [c[0] for c in priced[-1.0]] == [1.5, 3.0, 4.0]  # the factor in force joins
 
 
 def test_cli_prints_the_prices_and_the_pick(timed_run, capsys):
   from tests.test_capacity import run_main
   workdir, _ = timed_run
-  run_main(f"--workdir={workdir}", "--factors=1.5,2,3")
+  run_main(f"--workdir={workdir}", "--factors=1.5,2,3", "--window=0")
   out = capsys.readouterr().out
   header = next(line for line in out.splitlines() if line.startswith("| factor"))
   assert header.endswith("| s / step (predicted) | relative step time |")
-  assert "pick: factor " in out and "s/step predicted" in out
-  run_main(f"--workdir={workdir}", "--factors=1.5,2,3", "--format=json")
+  advice = replay.advise(read_traffic(str(workdir)), max_frequency=0.5, target=0.01,
+                         factors=[1.5, 2, 3])
+  assert f"\npick: {advice.factor:g} (throughput): {advice.reason}\n" in out
+  assert "inf" not in out
+  run_main(f"--workdir={workdir}", "--factors=1.5,2,3", "--format=json", "--window=0")
   results = json.loads(capsys.readouterr().out)
-  assert sum(r["pick"] for r in results) == 1
+  assert [r["factor"] for r in results if r["pick"]] == [advice.factor]
   assert [r["relative_step_time"] for r in results][0] == 1.0
-  # Regrouped for another expert-parallel size, the run's timings say nothing: no prices.
+  # Regrouped for another expert-parallel size, the run's timings say nothing: unpriced.
   run_main(f"--workdir={workdir}", "--factors=1.5", "--expert_shards=2")
-  assert "pick: none (the run recorded no step timings for this expert-parallel size)" in (
-      capsys.readouterr().out)
+  assert "(fallback_frequency): " in capsys.readouterr().out
 
 
 # The tiny model shaped like the timed run: P=4 expert shards, T=16 tokens per device.
@@ -209,12 +255,18 @@ def test_the_planner_times_capped_steps_and_prices_with_them(timed_run, capsys, 
   workdir, traffic = timed_run
   time_main(monkeypatch, f"--workdir={workdir}", "--factors=1.5,3", "--format=json",
             *TIME_CONFIG, "--time_steps=1", "--time_rounds=1")
-  results = json.loads(capsys.readouterr().out)
+  out = capsys.readouterr()
+  results = json.loads(out.out)
   timed = {r["factor"]: r["capped_step_seconds"] for r in results}
   assert set(timed) == {1.5, 3.0} and all(s > 0 for s in timed.values())
-  again = replay.plan(traffic, [1.5, 3.0])
-  assert replay.price(traffic, again, timed)
-  assert [r["step_seconds"] for r in results] == [r["step_seconds"] for r in again]
+  # 3 is priced from the timed steps (scaled from the run's measured 1.5), not the FLOPs.
+  window = replay.window(traffic, 100)
+  again = replay.advise(window, max_frequency=0.5, target=0.01, factors=[1.5, 3.0], timed=timed)
+  flops = replay.advise(window, max_frequency=0.5, target=0.01, factors=[1.5, 3.0])
+  assert [r["step_seconds"] for r in results] == [c.seconds for c in again.candidates]
+  assert again.candidates[1].seconds != flops.candidates[1].seconds
+  assert "--time_config: factors 3 priced from the capped steps timed here; 1.5 from the " \
+         "run's own intervals" in out.err
 
 
 @pytest.mark.parametrize("overrides,message", [

@@ -44,19 +44,10 @@ from typing import Any, Callable, Collection, NamedTuple
 import numpy as np
 
 from launch.planning import step_model
+from metrics import factor_advice
 from metrics.traffic import Timings
 
 OBJECTIVES = ("throughput", "fallback_frequency")
-
-
-def candidate_factors(factor_step: float, worst_case: float) -> np.ndarray:
-  """Candidate factors: multiples of `factor_step` up to the worst case `min(P, E / K)`
-  (included)."""
-  top = math.floor(worst_case / factor_step + 1e-9)
-  factors = factor_step * np.arange(1, top + 1)
-  if factors.size and np.isclose(factors[-1], worst_case):
-    return factors
-  return np.append(factors, worst_case)
 
 
 class Decision(NamedTuple):
@@ -116,7 +107,8 @@ class FactorController:
     self.max_frequency = max_frequency
     self.pricing = pricing
     self.min_gain = min_gain
-    self.candidates = candidate_factors(factor_step, worst_case)
+    self.worst_case = float(worst_case)
+    self.candidates = factor_advice.candidate_factors(worst_case, factor_step)
     self._required = collections.deque(maxlen=window)  # per step: [layers]
     self._matrix: np.ndarray | None = None  # _required as [steps, layers], when built
     self._fell_back = collections.deque(maxlen=window)
@@ -142,19 +134,19 @@ class FactorController:
     factor from the smallest refused one up."""
     return bool(self.refused) and factor >= min(self.refused) - 1e-9
 
-  def _overflowing(self, factor: float) -> np.ndarray:
-    """[window steps, layers]: whether each layer would have overflowed at `factor`."""
+  def predicted_frequency(self, factor: float) -> float:
+    """Fraction of the window's steps that would have fallen back at `factor`."""
+    return factor_advice.replay(self._window(), factor)[0]
+
+  def _window(self) -> np.ndarray:
+    """The window's required factors `[steps, layers]`."""
     if self._matrix is None:
       # A step restored from a checkpoint written before per-layer factors holds one number
       # (the max over layers): its other layers count as not overflowing.
       width = max((len(r) for r in self._required), default=1)
       self._matrix = np.array([r + (0.0,) * (width - len(r))
                                for r in self._required]).reshape(-1, width)
-    return self._matrix > factor
-
-  def predicted_frequency(self, factor: float) -> float:
-    """Fraction of the window's steps that would have fallen back at `factor`."""
-    return float(np.mean(self._overflowing(factor).any(axis=1))) if self._required else 0.0
+    return self._matrix
 
   def timings(self) -> Timings:
     """The observed intervals as `metrics.traffic.Timings`."""
@@ -164,25 +156,33 @@ class FactorController:
     # fallback_steps is not kept: the step-time model needs the chunks only.
     return Timings(factors, steps, np.zeros_like(steps), chunks, seconds)
 
-  def prices(self) -> dict[float, step_model.Estimate]:
-    """Predicted seconds per step of the factor in force and of every candidate not refused
-    whose predicted fallback frequency is at most `max_frequency`; {} before any interval
-    ran at the factor in force."""
+  def _price(self) -> factor_advice.Price | None:
+    """The step-time model of the observed intervals as the rule's price (None before any
+    interval ran at the factor in force)."""
     timings = self.timings()
     if self.pricing is None or not np.any(np.isclose(timings.factors, self.factor)):
+      return None
+    return step_model.rule_price(timings, self.pricing.flops, self.pricing.chunks)
+
+  def advice(self, price: bool = True) -> factor_advice.Advice:
+    """The shared rule (`metrics.factor_advice`) on the window: by the observed intervals'
+    prices under the throughput objective (when `price` and there are any), else the smallest
+    factor whose predicted fallback frequency is at most the target."""
+    priced = self._price() if price and self.objective == "throughput" else None
+    return factor_advice.advise(
+        self._window(), worst_case=self.worst_case, current=self.factor,
+        max_frequency=self.max_frequency if priced else 1.0, target=self.target, price=priced,
+        min_gain=self.min_gain, fits=lambda f: not self._refused(f), factors=self.candidates)
+
+  def prices(self) -> dict[float, step_model.Estimate]:
+    """Predicted seconds per step of every admissible candidate and the factor in force
+    (`advice`'s); {} before any interval ran at the factor in force."""
+    advice = self.advice()
+    if advice.objective != "throughput":
       return {}
-    model = step_model.StepTimeModel(timings, self.pricing.flops)
-    out = {}
-    for f in sorted({self.factor, *map(float, self.candidates)}):
-      if f != self.factor and (self._refused(f) or self.predicted_frequency(f) >
-                               self.max_frequency):
-        continue
-      chunks = self.pricing.chunks(f)
-      if not math.isfinite(chunks):
-        continue
-      per_step = float(np.mean(self._overflowing(f).sum(axis=1))) * chunks
-      out[f] = model.step(f, per_step)
-    return out
+    return {c.factor: step_model.Estimate(c.seconds, c.se) for c in advice.candidates
+            if math.isfinite(c.seconds) and (c.factor == self.factor or (
+                c.fallback_frequency <= self.max_frequency and not self._refused(c.factor)))}
 
   def _smallest_fitting(self, above: float, frequency: float) -> float | None:
     for f in self.candidates:
@@ -217,48 +217,39 @@ class FactorController:
     if self._since_change < self.window:
       return None
     if self.objective == "fallback_frequency":
-      down = self._smallest_fitting(above=0.0, frequency=self.target)
+      down = self.advice().factor
       if down is not None and down < self.factor - 1e-9:
         return Decision(down, "lower",
                         {**evidence, "predicted_frequency": self.predicted_frequency(down)})
       return None
     return self._faster(evidence, steps_left, compile_seconds, compiled) if price else None
 
-  def _best_move(self, steps_left: int | None, compile_seconds: float,
-                 compiled: Collection[float]):
-    """The throughput objective's best candidate, as (factor, its price, the price in force,
-    the compile it costs), or None to stay. A candidate qualifies when it promises at least
-    `min_gain` of the step and more than twice the prediction's standard error, and its
-    compile (none for the factors in `compiled`) pays back within `steps_left`; among those,
-    the one that saves the most seconds over the steps left, compile included (so a program
-    that exists beats a marginally faster one that would need compiling)."""
-    prices = self.prices()
-    if self.factor not in prices:
+  def _move(self, steps_left: int | None, compile_seconds: float,
+            compiled: Collection[float]):
+    """The throughput objective's move: the rule's factor, as (factor, its candidate, the
+    factor in force's, the compile it costs, the rule's reason), when it differs from the
+    factor in force and its compile (none for the factors in `compiled`) pays back within
+    `steps_left`; else None."""
+    advice = self.advice()
+    if advice.objective != "throughput" or advice.factor in (None, self.factor):
       return None
-    now = prices[self.factor]
-    best, best_saving = None, 0.0
-    for f, estimate in prices.items():
-      gain = now.seconds - estimate.seconds
-      if f == self.factor or not gain > max(self.min_gain * now.seconds,
-                                            2 * math.hypot(now.se, estimate.se)):
-        continue
-      cost = 0.0 if any(math.isclose(f, c) for c in compiled) else compile_seconds
-      if steps_left is not None and cost / gain >= steps_left:
-        continue
-      saving = gain if steps_left is None else gain * steps_left - cost
-      if best is None or saving > best_saving:
-        best, best_saving = (f, estimate, now, cost), saving
-    return best
+    by_factor = {c.factor: c for c in advice.candidates}
+    new, now = by_factor[advice.factor], by_factor[self.factor]
+    cost = 0.0 if any(math.isclose(advice.factor, c) for c in compiled) else compile_seconds
+    gain = now.seconds - new.seconds
+    if steps_left is not None and not (gain > 0 and cost / gain < steps_left):
+      return None
+    return advice.factor, new, now, cost, advice.reason
 
   def _faster(self, evidence: dict, steps_left: int | None, compile_seconds: float,
               compiled: Collection[float]) -> Decision | None:
     """The throughput objective's move after a full window (module docstring)."""
-    move = self._best_move(steps_left, compile_seconds, compiled)
+    move = self._move(steps_left, compile_seconds, compiled)
     if move is None:
       return None
-    factor, new, now, cost = move
+    factor, new, now, cost, reason = move
     return Decision(factor, "faster", {
-        **evidence, "predicted_frequency": self.predicted_frequency(factor),
+        **evidence, "predicted_frequency": new.fallback_frequency, "advice": reason,
         "predicted_step_seconds": {"old": now.seconds, "new": new.seconds},
         "predicted_step_seconds_se": {"old": now.se, "new": new.se},
         "payback_steps": cost / (now.seconds - new.seconds)})
@@ -270,7 +261,7 @@ class FactorController:
     compile ahead and the move, once the window allows it, costs no compile."""
     if self.objective != "throughput" or self._since_change >= self.window:
       return None
-    move = self._best_move(steps_left, compile_seconds, compiled)
+    move = self._move(steps_left, compile_seconds, compiled)
     return None if move is None else move[0]
 
   def switched(self, factor: float) -> None:

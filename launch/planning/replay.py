@@ -2,9 +2,11 @@
 
 `plan` replays every recorded step and MoE layer (`metrics.traffic`) through the capped buffer
 of each candidate `ragged_buffer_factor` (`moe_hk.dispatch_plan`): how often the fallback
-would run, how many layers per step, what would drop without it. `price` adds predicted
-seconds per step from the run's own timed intervals (`launch.planning.step_model`); `pick`
-names the factor to use. `launch.capacity` prints and plots them.
+would run, how many layers per step, what would drop without it. `advise` names the factor to
+use by the rule the alerts and the autopilot follow (`metrics.factor_advice`), on the same
+evidence: the recorded steps' required factors (`window`: the trailing window the run weighs)
+and, priced by the run's own timed intervals (`launch.planning.step_model`), its step times.
+`launch.capacity` prints and plots them.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import jax
 import numpy as np
 
 from launch.planning import step_model
+from metrics import factor_advice
 from metrics.traffic import Traffic
 from moe_hk import dispatch_plan
 
@@ -61,48 +64,74 @@ def plan(traffic: Traffic, factors: Sequence[float],
   return results
 
 
-def price(traffic: Traffic, results: list[dict],
-          timed: dict[float, float] | None = None) -> bool:
-  """Adds `step_seconds`, `step_seconds_se` and `relative_step_time` to each of `results`
-  (`plan`'s, for the recorded expert-parallel size) from the run's timed intervals, scaled to
-  the other factors by `timed` (`{factor: seconds of a capped step}`, `launch.planning.capped_timing`)
-  where it has both factors; False, changing nothing, when the traffic has no timings or run
-  shape. With adaptive chunking a fallback is priced at its most chunks
-  (`step_model.fallback_chunks`): an upper bound."""
+def window(traffic: Traffic, steps: int) -> Traffic:
+  """The last `steps` recorded steps of `traffic` (all of them for 0): the trailing window the
+  alerts and the autopilot weigh. The timed intervals are kept whole, as the run keeps them."""
+  if steps <= 0 or steps >= len(traffic.steps):
+    return traffic
+  return traffic._replace(steps=traffic.steps[-steps:], counts=traffic.counts[-steps:],
+                          factors=traffic.factors[-steps:])
+
+
+def required_factors(traffic: Traffic, expert_shards: int | None = None) -> np.ndarray:
+  """`[steps, layers]`: each step's required buffer factor per MoE layer, the largest over
+  its expert groups and receivers of the received rows over N (what `MoEStats` reports)."""
+  shards = traffic.expert_shards if expert_shards is None else expert_shards
+  received = np.asarray(group_traffic(traffic.counts, shards)).sum(axis=-2)  # [n, L, G, P]
+  return received.max(axis=(2, 3)) / (traffic.tokens_per_device * traffic.k)
+
+
+def rule_price(traffic: Traffic, timed: dict[float, float] | None = None
+               ) -> factor_advice.Price | None:
+  """The factor rule's price from the run's timed intervals (for the recorded
+  expert-parallel size), scaled to the factors the run did not train at by `timed`
+  (`{factor: seconds of a capped step}`, `launch.planning.capped_timing`) where it has the
+  factor and a measured one; None when the traffic has no timings or run shape. With adaptive
+  chunking a fallback is priced at its most chunks (`step_model.fallback_chunks`): an upper
+  bound."""
   shape, timings = traffic.shape, traffic.timings
   if shape is None or timings is None or not len(timings.seconds):
-    return False
+    return None
   shards, experts = traffic.expert_shards, traffic.counts.shape[-1]
   # The model prices a factor by its buffer's size: the worst case (-1) as its factor.
   worst = dispatch_plan.worst_case_factor(experts, traffic.k, shards)
-  size = lambda factor: np.where(np.asarray(factor) > 0, factor, worst)
-  model = step_model.StepTimeModel(timings._replace(factors=size(timings.factors)),
-                                  step_model.StepFlops(shape.flops_fixed, shape.flops_per_factor,
-                                                      moe_layers=traffic.counts.shape[1]),
-                                  {float(size(f)): s for f, s in (timed or {}).items()})
+  size = lambda factor: float(factor) if factor > 0 else worst
+  flops = step_model.StepFlops(shape.flops_fixed, shape.flops_per_factor,
+                               moe_layers=traffic.counts.shape[1])
 
-  def seconds(r: dict) -> step_model.Estimate:
-    chunks = step_model.fallback_chunks(
-        r["factor"], tokens_per_device=traffic.tokens_per_device, seq_len=shape.seq_len,
-        k=traffic.k, shards=shards, local_experts=experts // shards,
-        requested=shape.requested_chunks)
-    return model.step(float(size(r["factor"])), r["overflowing_layers_mean"] * chunks)
-
-  run = float(traffic.factors[-1])
-  at_run = next((r for r in results if r["factor"] == run), None) or plan(traffic, [run])[0]
-  reference = seconds(at_run).seconds
-  for r in results:
-    r["step_seconds"], r["step_seconds_se"] = seconds(r)
-    r["relative_step_time"] = r["step_seconds"] / reference
-  return True
+  def chunks(factor: float) -> float:
+    return step_model.fallback_chunks(
+        factor, tokens_per_device=traffic.tokens_per_device, seq_len=shape.seq_len, k=traffic.k,
+        shards=shards, local_experts=experts // shards, requested=shape.requested_chunks)
+  sized = timings._replace(factors=np.asarray([size(f) for f in timings.factors]))
+  return step_model.rule_price(sized, flops, chunks,
+                               {size(f): s for f, s in (timed or {}).items()})
 
 
-def pick(results: list[dict], budget_bytes: int | None) -> dict | None:
-  """The result with the fewest predicted seconds per step among those that fit
-  `budget_bytes` (every one when None, or when no memory was compiled)."""
-  fits = [r for r in results if math.isfinite(r.get("step_seconds", math.nan)) and (
-      budget_bytes is None or r.get("memory_bytes_per_device", 0) <= budget_bytes)]
-  return min(fits, key=lambda r: r["step_seconds"], default=None)
+def run_factor(traffic: Traffic) -> float:
+  """The factor in force at the newest recorded step (the worst case for -1)."""
+  factor = float(traffic.factors[-1])
+  experts = traffic.counts.shape[-1]
+  return factor if factor > 0 else dispatch_plan.worst_case_factor(experts, traffic.k,
+                                                                   traffic.expert_shards)
+
+
+def advise(traffic: Traffic, *, max_frequency: float, target: float,
+           expert_shards: int | None = None, factors: Sequence[float] | None = None,
+           timed: dict[float, float] | None = None,
+           fits=lambda factor: True) -> factor_advice.Advice:
+  """The shared factor rule (`metrics.factor_advice`) on `traffic`'s steps (window them with
+  `window`): priced by the run's timings when they are for this expert-parallel size.
+  `factors` restricts the candidates (default: the rule's, multiples of 1/8)."""
+  shards = traffic.expert_shards if expert_shards is None else expert_shards
+  experts = traffic.counts.shape[-1]
+  price = rule_price(traffic, timed) if shards == traffic.expert_shards else None
+  return factor_advice.advise(
+      required_factors(traffic, shards),
+      worst_case=dispatch_plan.worst_case_factor(experts, traffic.k, shards),
+      current=run_factor(traffic) if shards == traffic.expert_shards else None,
+      max_frequency=max_frequency if price else 1.0, target=target, price=price, fits=fits,
+      factors=factors)
 
 
 def factor_list(values: list[str] | None, traffic: Traffic) -> list[float]:

@@ -10,10 +10,11 @@ interval the model is
 fallback. Both are fitted per measured factor by least squares (`fit_factor`), with standard
 errors from the residuals. To price a factor that has not run (`StepTimeModel`):
 
-* `capped(f)`: with two or more measured factors, a line in f through their fits (weighted by
-  their errors); with one, the measured time scaled by the capped steps timed at f and at the
-  measured factor (`timed`: `launch.planning.capped_timing` on this machine), or, for a factor not timed,
-  by the step's matmul FLOPs at f over those at the measured factor. FLOPs:
+* `capped(f)`: the fit where f was measured; else the nearest measured factor's, scaled by the
+  capped steps timed at f and at it (`timed`: `launch.planning.capped_timing` on this
+  machine); else, with two or more measured factors whose errors are known, a line in f
+  through their fits (weighted by their errors); else the measured time scaled by the step's
+  matmul FLOPs at f over those at the measured factor. FLOPs:
   `StepFlops.fixed + f * StepFlops.per_factor` (`step_flops`): the expert matmuls over the
   receive buffer, whose rows are f x balanced; the rest does not depend on f. The FLOPs
   overstate a bigger buffer's cost where the grouped matmul skips its empty rows (measured on
@@ -31,7 +32,7 @@ window), times `fallback_chunks(f)`.
 from __future__ import annotations
 
 import math
-from typing import Mapping, NamedTuple, Sequence
+from typing import Callable, Mapping, NamedTuple, Sequence
 
 import haiku as hk
 import ml_collections
@@ -39,6 +40,7 @@ import numpy as np
 
 import moe_hk
 from launch.training import model
+from metrics import factor_advice
 from metrics.traffic import Timings
 from moe_hk import dispatch_plan, fallback
 
@@ -143,20 +145,46 @@ class StepTimeModel:
     return self.flops.row_share(factor) / self.flops.moe_layers
 
   def capped(self, factor: float) -> Estimate:
-    points = {fit.factor: fit.capped for fit in self.fits}
-    if len(points) >= 2:
-      return _line(points, factor)
-    (measured, estimate), = points.items()
-    scale = self._scale(factor, measured)
-    return Estimate(estimate.seconds * scale, estimate.se * scale)
+    """A capped step at `factor`: the fit where the run measured it; else scaled from a
+    measured factor by the capped steps timed at both (`timed`); else a line through two or
+    more measured factors with known errors; else scaled from the measured factor by the
+    matmul FLOPs (`basis` says which)."""
+    fits = {fit.factor: fit.capped for fit in self.fits}
+    measured = next((f for f in fits if math.isclose(f, factor)), None)
+    if measured is not None:
+      return fits[measured]
+    timed = self._timed_base(factor)
+    if timed is not None:
+      base, scale = timed
+      return Estimate(fits[base].seconds * scale, fits[base].se * scale)
+    known = {f: e for f, e in fits.items() if math.isfinite(e.se)}
+    if len(known) >= 2:
+      return _line(known, factor)
+    base = next(iter(known), None) or min(fits, key=lambda f: abs(f - factor))
+    scale = self.flops.at(factor) / self.flops.at(base)
+    return Estimate(fits[base].seconds * scale, fits[base].se * scale)
 
-  def _scale(self, factor: float, measured: float) -> float:
-    """A capped step at `factor` over one at `measured`: the timed steps' ratio when both
-    were timed, else the matmul FLOPs'."""
+  def basis(self, factor: float) -> str:
+    """What `capped(factor)` rests on: 'measured' (the run's intervals at it), 'timed' (capped
+    steps timed apart), 'line' (two or more measured factors), or 'flops' (one measured factor
+    scaled by the matmul FLOPs: they overstate a bigger buffer's cost)."""
+    fits = {fit.factor: fit.capped for fit in self.fits}
+    if any(math.isclose(f, factor) for f in fits):
+      return "measured"
+    if self._timed_base(factor) is not None:
+      return "timed"
+    return "line" if sum(math.isfinite(e.se) for e in fits.values()) >= 2 else "flops"
+
+  def _timed_base(self, factor: float) -> tuple[float, float] | None:
+    """(the measured factor nearest `factor` whose capped step was timed apart too, the timed
+    steps' ratio of `factor` over it), or None when `factor` was not timed."""
     timed = lambda f: next((s for t, s in self.timed.items() if math.isclose(t, f)), None)
-    if (at := timed(factor)) is not None and (base := timed(measured)) is not None:
-      return at / base
-    return self.flops.at(factor) / self.flops.at(measured)
+    at = timed(factor)
+    bases = [fit.factor for fit in self.fits if timed(fit.factor) is not None]
+    if at is None or not bases:
+      return None
+    base = min(bases, key=lambda f: abs(f - factor))
+    return base, at / timed(base)
 
   def chunk(self, factor: float) -> Estimate:
     per_factor = [(fit.chunk.seconds / fit.factor, fit.chunk.se / fit.factor)
@@ -207,3 +235,21 @@ def _line(points: dict[float, Estimate], factor: float) -> Estimate:
   else:
     se = math.inf
   return Estimate(float(x @ theta), se)
+
+
+def rule_price(timings: Timings, flops: StepFlops, chunks: Callable[[float], float],
+               timed: Mapping[float, float] | None = None) -> factor_advice.Price | None:
+  """The factor rule's price (`metrics.factor_advice.Price`) from timed intervals:
+  `StepTimeModel.step` at a factor whose overflowing layers per step each run
+  `chunks(factor)` fallback chunks (NaN: no fallback fits that factor's buffer, so it is not
+  priced); None without a timed interval."""
+  if not len(timings.seconds):
+    return None
+  model = StepTimeModel(timings, flops, timed)
+
+  def price(factor: float, overflowing_layers: float) -> tuple[float, float]:
+    per_layer = chunks(factor)
+    if not math.isfinite(per_layer):
+      return math.nan, math.nan
+    return tuple(model.step(factor, overflowing_layers * per_layer))
+  return price

@@ -119,25 +119,31 @@ def _tokens_per_device(config) -> int:
   return config.data.batch_size * config.data.seq_len // jax.device_count()
 
 
+def _pricing(settings: Settings, flops: step_model.StepFlops) -> autopilot.Pricing:
+  """What prices a buffer factor besides the timings: the step's matmul FLOPs and the fallback
+  chunks a layer that overflows runs at a factor."""
+  layer, config, shards = settings.layer, settings.config, settings.expert_shards
+
+  def chunks(factor: float) -> float:
+    return step_model.fallback_chunks(
+        factor, tokens_per_device=_tokens_per_device(config), seq_len=config.data.seq_len,
+        k=layer.num_experts_per_tok, shards=shards, local_experts=layer.num_experts // shards,
+        requested=layer.dropless_fallback_num_chunks)
+  return autopilot.Pricing(flops, chunks)
+
+
 def _autopilot(run: _Run, moe_metrics: metrics.MoEMetrics, worst_case: float,
-               flops: step_model.StepFlops) -> autopilot.Autopilot | None:
+               pricing: autopilot.Pricing) -> autopilot.Autopilot | None:
   """The buffer-factor autopilot of `config.autopilot`, or None when it is off; `worst_case`
-  is the worst-case buffer's factor, its highest candidate; `flops` the step's matmul FLOPs."""
+  is the worst-case buffer's factor, its highest candidate."""
   settings = run.settings
   pilot, layer = settings.config.autopilot, settings.layer
   if not pilot.enabled:
     return None
-  shards = settings.expert_shards
-
-  def chunks(factor: float) -> float:
-    return step_model.fallback_chunks(
-        factor, tokens_per_device=_tokens_per_device(settings.config),
-        seq_len=settings.config.data.seq_len, k=layer.num_experts_per_tok, shards=shards,
-        local_experts=layer.num_experts // shards, requested=layer.dropless_fallback_num_chunks)
   controller = autopilot.FactorController(
       layer.ragged_buffer_factor, target=pilot.target_fallback_frequency,
       worst_case=worst_case, window=pilot.window, objective=pilot.objective,
-      max_frequency=pilot.max_fallback_frequency, pricing=autopilot.Pricing(flops, chunks))
+      max_frequency=pilot.max_fallback_frequency, pricing=pricing)
   cache = autopilot.ProgramCache(programs.compiler(settings, run.mesh, run.steps),
                                  budget_bytes=programs.memory_budget_bytes(settings, run.mesh),
                                  max_programs=pilot.max_programs)
@@ -309,18 +315,22 @@ def _train(run: _Run, state, stop_after: int | None) -> _Loop:
   settings, layer, workdir = run.settings, run.settings.layer, run.workdir
   worst = dispatch_plan.worst_case_factor(layer.num_experts, layer.num_experts_per_tok,
                                           settings.expert_shards)
-  pilot = None
+  pilot, rule = None, settings.config.autopilot  # the factor rule's settings, for all uses
   try:
     # The run's event files: the trainer's scalars, and the MoE layers' through moe_metrics.
     with metrics.MoEMetricsWriter(workdir) as writer, metrics.MoEMetrics(
-        workdir, worst_case_factor=worst, writer=writer, flush_on_sigterm=False) as moe_metrics:
+        workdir, worst_case_factor=worst, window=rule.window,
+        max_fallback_frequency=rule.max_fallback_frequency,
+        target_fallback_frequency=rule.target_fallback_frequency, writer=writer,
+        flush_on_sigterm=False) as moe_metrics:
       writer.write_hparams(flat_hparams(settings.config))
       flops = step_model.step_flops(state.params, settings.config, layer)
-      pilot = _autopilot(run, moe_metrics, worst, flops)
+      pricing = _pricing(settings, flops)
+      pilot = _autopilot(run, moe_metrics, worst, pricing)
       train, factor = _resume(run, moe_metrics, pilot)
       reporter = Reporter(settings.config, writer, moe_metrics,
                           settings.config.data.batch_size * settings.config.data.seq_len,
-                          _recorder(run, flops), pilot, run.console)
+                          _recorder(run, flops), pilot, run.console, pricing)
       loop = _Loop(run, state, reporter, moe_metrics, pilot, stop_after)
       try:
         loop.run(train, factor)
