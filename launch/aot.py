@@ -12,13 +12,14 @@ per-device memory (arguments + outputs + temporaries - aliased) from
 counts: `launch.planning.flops`; XLA's `cost_analysis()` counts a loop body once, so it is in
 the JSON only) beside 6 x active parameters x tokens. A variant whose temporaries exceed the
 chip's HBM does not compile for TPU; its row then shows the compiler's stated temporaries
-plus the argument shards.
+plus the argument shards. The figures go to `benchmarks/results/<--results>.json` too.
 """
 import json
+import os
 
 from absl import flags
 
-from launch import cli, platform, settings as settings_lib
+from launch import cli, platform, results, settings as settings_lib
 from launch.compiling import topology as topology_lib
 from launch.compiling.variants import GIB, VARIANTS, compile_variant, model_flops
 from launch.errors import UserError, user_errors
@@ -26,6 +27,8 @@ from launch.errors import UserError, user_errors
 _CONFIG = cli.define_config("config", "maverick.py", "Model configuration file.")
 _TOPOLOGY = topology_lib.topology_flag("v5p-256", "'v5p-N', 'v5p:AxBxC' or 'cpu:N'.")
 _VARIANTS = flags.DEFINE_list("variants", ",".join(VARIANTS), f"Any of {', '.join(VARIANTS)}.")
+_RESULTS = flags.DEFINE_string("results", None, "Name of the JSON written to benchmarks/results/ "
+                               "(default aot_<config>_<topology>[_<variants>]); '' writes none.")
 
 
 def print_table(topology: str, settings: settings_lib.Settings, model: dict, rows: list[dict]
@@ -38,9 +41,9 @@ def print_table(topology: str, settings: settings_lib.Settings, model: dict, row
   print(f"{model['params'] / 1e9:.1f}B parameters, {model['active_params'] / 1e9:.2f}B active; "
         f"{model['tokens']} tokens per step: 6 x active x tokens = {model['six_n_t']:.3e} FLOPs, "
         f"+ attention {model['attention_flops']:.3e}")
-  print("| variant | total GiB | args GiB | temp GiB | vs capped | compiler accepts temp | "
-        "total fits HBM | matmul FLOPs | / (6NT + attention) | compile s |")
-  print("|---|---|---|---|---|---|---|---|---|---|")
+  print("| variant | total GiB | args GiB | temp GiB | host temp GiB | vs capped | compiler "
+        "accepts temp | total fits HBM | matmul FLOPs | / (6NT + attention) | compile s |")
+  print("|---|---|---|---|---|---|---|---|---|---|---|")
   for r in rows:
     total = r["total_bytes"] / GIB
     ratio = f"{r['total_bytes'] / capped:.3f}x" if capped else "-"
@@ -50,8 +53,8 @@ def print_table(topology: str, settings: settings_lib.Settings, model: dict, row
     flops_cells = (f"{flops:.3e} | {flops / (model['six_n_t'] + model['attention_flops']):.2f}"
                    if flops else "- | -")
     print(f"| {r['variant']} | {total:.2f} | {r['argument_bytes'] / GIB:.2f} | "
-          f"{r['temp_bytes'] / GIB:.2f} | {ratio} | {accepted} | {fits} | {flops_cells} | "
-          f"{r['compile_seconds']} |")
+          f"{r['temp_bytes'] / GIB:.2f} | {r.get('host_temp_bytes', 0) / GIB:.2f} | {ratio} | "
+          f"{accepted} | {fits} | {flops_cells} | {r['compile_seconds']} |")
 
 
 def main(argv):
@@ -66,10 +69,18 @@ def main(argv):
   settings = settings_lib.build(_CONFIG.value, len(devices))
   rows = [compile_variant(settings, devices, v) for v in _VARIANTS.value]
   model = model_flops(settings, devices)
-  print(json.dumps({"topology": _TOPOLOGY.value, "devices": len(devices),
-                    "platform": devices[0].platform, "mesh": dict(settings.mesh),
-                    "model": model, "results": rows}, indent=2))
+  figures = {"topology": _TOPOLOGY.value, "devices": len(devices),
+             "platform": devices[0].platform, "mesh": dict(settings.mesh), "model": model,
+             "results": rows}
+  print(json.dumps(figures, indent=2))
   print_table(_TOPOLOGY.value, settings, model, rows)
+  name = _RESULTS.value
+  if name is None:
+    stem = os.path.splitext(os.path.basename(_CONFIG.path))[0]
+    subset = "" if list(_VARIANTS.value) == list(VARIANTS) else "_" + "_".join(_VARIANTS.value)
+    name = f"aot_{stem}_{_TOPOLOGY.value.replace(':', '-')}{subset}"
+  if name:
+    print(f"\nwritten: {results.write(name, figures)}")
 
 
 if __name__ == "__main__":

@@ -41,13 +41,14 @@ class ConfigFlag:
   def __init__(self, name: str, default: str | None):
     self.name = name
     self.default = default and os.path.join(settings.CONFIGS, default)
+    self.path: str | None = None  # the file loaded
     self.value: ml_collections.ConfigDict | None = None
 
   def take(self, argv: list[str]) -> list[str]:
     """Loads the config `argv` names (or the default) with its overrides; returns `argv`
     without them, for absl."""
     path, overrides, rest = self.default, [], []
-    self.value = None
+    self.path, self.value = None, None
     i = 0
     while i < len(argv):
       arg = argv[i]
@@ -67,11 +68,12 @@ class ConfigFlag:
       else:
         rest.append(arg)
       i += 1
-    if path is not None:
-      self.value = settings.load(path, overrides, self.name)
-    elif overrides:
+    if path is None and overrides:
       raise app.UsageError(f"--{self.name}.{overrides[0][0]} needs --{self.name}=FILE.",
                            exitcode=FLAG_MISUSE)
+    if path is not None:
+      self.value = settings.load(path, overrides, self.name)
+    self.path = path
     return rest
 
 

@@ -341,7 +341,7 @@ def test_two_processes_over_gloo_match_one_process(baseline, tmp_path):
                        "there are 8. Set config.mesh to fit the devices, or, on a machine "
                        "without a TPU or GPU, config.cpu_devices to the mesh's size."),
     ("remat_policy", "most", "config.remat_policy='most' must be one of 'none', 'full', "
-                             "'save_attention_moe'."),
+                             "'save_attention_moe', 'full_inputs_on_host'."),
     ("autopilot.window", 2, None),  # only checked with the autopilot on: valid here
 ])
 def test_bad_config_value_names_field_value_and_range(key, value, message):

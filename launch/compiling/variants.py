@@ -78,6 +78,8 @@ def compile_variant(settings: Settings, devices: Sequence[jax.Device], variant: 
           "argument_bytes": int(m.argument_size_in_bytes),
           "output_bytes": int(m.output_size_in_bytes), "temp_bytes": int(m.temp_size_in_bytes),
           "alias_bytes": int(m.alias_size_in_bytes),
+          # What the program keeps in the host's memory (remat_policy 'full_inputs_on_host').
+          "host_temp_bytes": int(m.host_temp_size_in_bytes),
           "compile_seconds": round(time.perf_counter() - start, 1)}
 
 

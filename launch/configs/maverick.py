@@ -2,8 +2,9 @@
 
 48 layers alternating dense and MoE (128 experts, sigmoid top-1 plus a shared expert), width
 5120, MoE MLP 8192, dense MLP 16384, 40 query heads / 8 KV heads of 128, vocabulary 202,048,
-bfloat16 compute on float32 params + Adam, every layer group rematerialised. Mesh FSDP 8 x EP
-16 (v5p-256: 128 chips), 4 sequences of 8,192 per chip, buffer factor 2.0, 32 fallback chunks.
+bfloat16 compute on float32 params + Adam, every layer group rematerialised with its input in
+host memory. Mesh FSDP 8 x EP 16 (v5p-256: 128 chips), 4 sequences of 8,192 per chip, buffer
+factor 2.0, 32 fallback chunks.
 """
 import ml_collections
 
@@ -20,7 +21,9 @@ def get_config() -> ml_collections.ConfigDict:
   c.num_heads, c.num_kv_heads, c.head_dim = 40, 8, 128
   c.mlp_dim = 16_384
   c.dtype = "bfloat16"
-  c.remat_policy = "full"
+  # Every layer group recomputed in the backward, its input kept in the host's memory
+  # (24 x [4, 8192, 5120] bfloat16 per chip; docs/aot-memory.md): the same FLOPs as 'full'.
+  c.remat_policy = "full_inputs_on_host"
   c.optimizer_state_dtype = "bfloat16"  # Adam moments in bf16 (docs/aot-memory.md)
   c.attention_impl = "auto"  # splash attention on TPU
   c.attention_block = 512    # with attention_impl='xla': a [4, 40, 512, 8192] f32 score block

@@ -1,0 +1,65 @@
+"""Measured figures as data: `benchmarks/results/<name>.json`, with what produced them.
+
+Every benchmark and `launch.aot` writes its figures through `write`, beside the command line
+that reproduces them, the commit they were measured at (with `+changes` when the working tree
+differed from it), the date and the machine; the docs quote these files.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+from typing import Any
+
+import jax
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(ROOT, "benchmarks", "results")
+
+
+def commit() -> str:
+  """The checkout's commit, `+changes` appended when tracked files differ from it; 'unknown'
+  outside a git checkout."""
+  def git(*args: str) -> str:
+    return subprocess.run(["git", "-C", ROOT, *args], capture_output=True, text=True,
+                          timeout=30, check=True).stdout.strip()
+  try:
+    head = git("rev-parse", "--short=12", "HEAD")
+    changed = git("status", "--porcelain", "--untracked-files=no")
+  except (OSError, subprocess.SubprocessError):
+    return os.environ.get("GIT_COMMIT", "unknown")
+  return head + ("+changes" if changed else "")
+
+
+def machine() -> dict:
+  """The host and the devices the figures were measured on."""
+  device = jax.devices()[0]
+  return {"host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
+          "jax": jax.__version__, "platform": device.platform,
+          "device_kind": device.device_kind, "devices": jax.device_count()}
+
+
+def command(argv: list[str] | None = None) -> str:
+  """`python -m MODULE ARGS` of this process (the module `__main__` runs as)."""
+  argv = sys.argv if argv is None else argv
+  spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+  program = f"python -m {spec.name}" if spec else f"python {argv[0]}"
+  return " ".join([program, *map(shlex.quote, argv[1:])])
+
+
+def write(name: str, figures: dict[str, Any], argv: list[str] | None = None) -> str:
+  """Writes `figures` to `benchmarks/results/<name>.json` with `command`, `commit`, `date`
+  and `machine`; returns the path."""
+  os.makedirs(RESULTS, exist_ok=True)
+  path = os.path.join(RESULTS, f"{name}.json")
+  record = {"command": command(argv), "commit": commit(),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "machine": machine(), **figures}
+  with open(path, "w") as f:
+    json.dump(record, f, indent=2)
+    f.write("\n")
+  return path
