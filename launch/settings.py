@@ -19,6 +19,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import difflib
+import json
 import os
 import runpy
 import shlex
@@ -35,6 +36,7 @@ from moe_hk import mesh as mesh_lib
 
 # The config files that ship with the launcher, wherever the command runs.
 CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
+RUN_CONFIG = "config.json"  # in a run's workdir: its resolved config (`save`, `saved`)
 FLAG_MISUSE = 2  # the exit status of a command line that does not parse (launch.cli)
 # `MoEConfig` fields the launcher derives from its other keys: the model's width and compute
 # dtype, and `record_traffic` from `config.traffic.record`.
@@ -132,6 +134,23 @@ def _parse(text: str, current: object) -> object:
   if current is not None and not isinstance(value, type(current)):
     raise TypeError(text)
   return value
+
+
+def save(config: ml_collections.ConfigDict, workdir: str) -> None:
+  """Writes a run's resolved config to `workdir/config.json`."""
+  with open(os.path.join(workdir, RUN_CONFIG), "w") as f:
+    f.write(config.to_json(indent=2))
+
+
+def saved(workdir: str) -> ml_collections.ConfigDict:
+  """The config a `launch.train` run saved in `workdir`; UserError naming what to do
+  without one."""
+  path = os.path.join(workdir, RUN_CONFIG)
+  if not os.path.isfile(path):
+    raise UserError(f"{path}: no such file; --workdir must be a launch.train run's folder "
+                    "(runs write their config there when they start).")
+  with open(path) as f:
+    return ml_collections.ConfigDict(json.load(f))
 
 
 def as_flags(config: ml_collections.ConfigDict, flag: str = "config") -> list[str]:
@@ -234,6 +253,13 @@ def _check_run(config: ml_collections.ConfigDict, layer: moe_hk.MoEConfig) -> No
            f"config.max_consecutive_nonfinite={config.max_consecutive_nonfinite} must be >= 1.")
   for name in ("train_steps", "eval_every", "checkpoint_every", "log_every", "learning_rate"):
     _require(config[name] > 0, f"config.{name}={config[name]} must be > 0.")
+  _require(config.peak_tflops_per_device >= 0,
+           f"config.peak_tflops_per_device={config.peak_tflops_per_device} must be >= 0 (0: "
+           "the table's figure for the device kind).")
+  spikes = config.spikes
+  _require(spikes.sigma > 0, f"config.spikes.sigma={spikes.sigma} must be > 0.")
+  _require(spikes.window >= 2, f"config.spikes.window={spikes.window} must be >= 2 (the "
+           "applied steps a spike is judged against).")
 
 
 def _one_of(key: str, value: object, valid: Sequence[str]) -> None:

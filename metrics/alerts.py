@@ -12,6 +12,11 @@ Rules:
   buffer_factor_changed  the launcher's autopilot switched the buffer factor (`factor_changed`)
   nonfinite_step         the trainer skipped a step whose loss or gradient norm was not finite
                          (`nonfinite_step`)
+  loss_spike             the trainer skipped a step whose loss or gradient norm spiked above its
+                         recent window (`loss_spike`)
+
+The two skip alerts carry the step's `data_position` (where its batch came from, for
+`python -m launch.batch`).
 
 Each overflow alert names the step, the layers, for each layer the receiving expert shards
 whose buffer overflowed and the three hottest experts, since when the condition holds, how
@@ -41,6 +46,7 @@ from metrics.aggregator import LayerRecord, StepMetrics
 ALERTS_FILE = "alerts.jsonl"  # in the workdir: one JSON object per alert
 NONFINITE_RULE = "nonfinite_router_input"
 NONFINITE_STEP_RULE = "nonfinite_step"
+SPIKE_RULE = "loss_spike"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,20 +161,44 @@ class AlertManager:
       self._send(alert)
     return alert
 
-  def nonfinite_step(self, step: int, loss: float, grad_norm: float) -> Alert | None:
+  def nonfinite_step(self, step: int, loss: float, grad_norm: float,
+                     data_position: dict | None = None) -> Alert | None:
     """`nonfinite_step`: the train step's loss or gradient norm was not finite, so the
     trainer skipped its update (rate-limited like the rules)."""
+    message = (f"Non-finite train step [{NONFINITE_STEP_RULE}] at step {step}: loss {loss:g}, "
+               f"gradient norm {grad_norm:g}; the update was skipped (params and optimizer "
+               "state unchanged). Look for nonfinite_router_input alerts, the data of this "
+               f"step (python -m launch.batch --workdir=WORKDIR --step={step}) and the "
+               "learning rate.")
+    return self._skipped(NONFINITE_STEP_RULE, step, message,
+                         {"loss": loss, "grad_norm": grad_norm, "data_position": data_position})
+
+  def loss_spike(self, step: int, loss: float, grad_norm: float, mean: tuple[float, float],
+                 std: tuple[float, float], sigma: float, window: int,
+                 data_position: dict | None = None) -> Alert | None:
+    """`loss_spike`: the step's loss or gradient norm was more than `sigma` deviations above
+    the mean of its window (`mean`, `std`: (loss, gradient norm)); its update was skipped."""
+    spiked = [f"{name} {value:.4g} (window mean {m:.4g}, deviation {d:.3g}, "
+              f"{(value - m) / d if d else float('inf'):.1f} sigma)"
+              for name, value, m, d in (("loss", loss, mean[0], std[0]),
+                                        ("gradient norm", grad_norm, mean[1], std[1]))
+              if value > m + sigma * d]
+    message = (f"Train step spike [{SPIKE_RULE}] at step {step}: {'; '.join(spiked)} above "
+               f"{sigma:g} sigma of the last {window} applied steps; the update was skipped "
+               "(params and optimizer state unchanged). Its batch: python -m launch.batch "
+               f"--workdir=WORKDIR --step={step}.")
+    return self._skipped(SPIKE_RULE, step, message, {
+        "loss": loss, "grad_norm": grad_norm, "window_mean": list(mean),
+        "window_std": list(std), "sigma": sigma, "data_position": data_position})
+
+  def _skipped(self, rule: str, step: int, message: str, details: dict) -> Alert | None:
+    """A skipped step's alert (rate-limited like the rules)."""
     with self._lock:
-      if not self._due(NONFINITE_STEP_RULE, step):
+      if not self._due(rule, step):
         return None
-      message = (f"Non-finite train step [{NONFINITE_STEP_RULE}] at step {step}: loss {loss:g}, "
-                 f"gradient norm {grad_norm:g}; the update was skipped (params and optimizer "
-                 "state unchanged). Look for nonfinite_router_input alerts, the data of this "
-                 "step and the learning rate.")
-      alert = Alert(time=time.time(), step=step, rule=NONFINITE_STEP_RULE, layers=[],
-                    hotspots=[], since=step, frequency=0.0, required_factor=0.0,
-                    recommended_ragged_buffer_factor=None, message=message,
-                    details={"loss": loss, "grad_norm": grad_norm})
+      alert = Alert(time=time.time(), step=step, rule=rule, layers=[], hotspots=[],
+                    since=step, frequency=0.0, required_factor=0.0,
+                    recommended_ragged_buffer_factor=None, message=message, details=details)
       self._send(alert)
     return alert
 

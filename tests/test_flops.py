@@ -1,10 +1,16 @@
-"""`launch.planning.flops`: matmul FLOPs of a traced program, loops at their trip counts."""
+"""`launch.planning.flops`: matmul FLOPs of a traced program, loops at their trip counts; the
+model FLOPs and peak behind the MFU (`launch.training.throughput`)."""
 import jax
 import jax.numpy as jnp
+import pytest
 from jax.sharding import PartitionSpec as P
 
 import moe_hk
-from launch.planning import flops
+from launch import settings as settings_lib
+from launch.configs import tiny
+from launch.planning import flops, step_model
+from launch.training import throughput
+from launch.training.steps import make_steps
 from moe_hk import megablox
 
 
@@ -60,3 +66,41 @@ def test_megablox_kernels_count_their_cost_estimate():
   assert flops.matmul_flops(mlp, x, wi, wi, wo, sizes) == 3 * one
   grad = jax.grad(lambda *a: jnp.sum(mlp(*a)), argnums=(0, 1, 2, 3))
   assert flops.matmul_flops(grad, x, wi, wi, wo, sizes) == 9 * one
+
+
+def test_the_model_flops_behind_mfu_are_the_hand_count_of_the_tiny_model():
+  """`throughput.model_flops` of the tiny config, counted by hand: 6 x active parameters x
+  tokens, plus attention's score and value matmuls (causal: half the S x S pairs)."""
+  c = tiny.get_config()
+  settings = settings_lib.build(c, jax.device_count())
+  mesh = moe_hk.make_mesh(**settings.mesh)
+  params = jax.eval_shape(make_steps(settings, mesh).init, jax.random.key(0)).params
+  d, f, e, k, v = c.emb_dim, c.mlp_dim, c.moe.num_experts, c.moe.num_experts_per_tok, c.vocab_size
+  attention = d * c.num_heads * c.head_dim * 2 + d * c.num_kv_heads * c.head_dim * 2  # q o, k v
+  norms = 2 * d                                                       # attention and MLP norms
+  dense_block = attention + norms + 3 * d * c.mlp_dim
+  routed = 3 * e * d * c.moe.mlp_dim
+  moe_block = attention + norms + d * e + routed                     # router and the experts
+  total = v * d + dense_block + moe_block + d                         # embedding, final norm
+  assert (c.num_layers, c.moe_every, c.shared_expert) == (2, 2, False)  # one dense+MoE group
+  active = total - routed + routed * k / e
+  tokens = c.data.batch_size * c.data.seq_len
+  causal_attention = 12 * c.num_layers * c.num_heads * c.head_dim * c.data.seq_len / 2 * tokens
+  assert (total, active, tokens) == (70048, 33184, 256)
+  hand = 6 * active * tokens + causal_attention
+  flops = step_model.step_flops(params, c, settings.layer)
+  assert throughput.model_flops(flops) == hand == 54_116_352
+  # MFU: that many FLOPs a step, over the time and the devices, against the peak.
+  per_device, mfu = throughput.mfu(hand, 0.5, 8, peak=989.0)
+  assert per_device == pytest.approx(hand / 0.5 / 8 / 1e12) and mfu == per_device / 989.0
+  assert throughput.mfu(hand, 0.5, 8, peak=None)[1] is None
+
+
+@pytest.mark.parametrize("kind,platform,override,peak", [
+    ("TPU v5p", "tpu", 0.0, 459.0), ("TPU v5 lite", "tpu", 0.0, 197.0),
+    ("TPU v4", "tpu", 0.0, 275.0), ("TPU v6 lite", "tpu", 0.0, 918.0),
+    ("NVIDIA H200", "gpu", 0.0, 989.0), ("NVIDIA H100 80GB HBM3", "gpu", 0.0, 989.0),
+    ("cpu", "cpu", 0.0, None), ("NVIDIA A100-SXM4-40GB", "gpu", 0.0, None),
+    ("cpu", "cpu", 123.0, 123.0)])
+def test_peak_tflops_by_device_kind(kind, platform, override, peak):
+  assert throughput.peak_tflops(kind, platform, override) == peak

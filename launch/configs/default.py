@@ -94,6 +94,14 @@ def get_config() -> ml_collections.ConfigDict:
   # stop the run with a checkpoint of the last good state.
   c.skip_nonfinite_steps = True
   c.max_consecutive_nonfinite = 5
+  # Loss and gradient-norm spikes (launch.training.spikes): with enabled, a step whose loss or
+  # global gradient norm is more than `sigma` standard deviations above the mean of the last
+  # `window` applied steps is skipped in the compiled step (params and optimizer state kept),
+  # counted in train/spike_skipped_steps and alerted (loss_spike) with its data position.
+  c.spikes = ml_collections.ConfigDict(dict(enabled=False, sigma=6.0, window=128))
+  # Model FLOPs utilisation (train/mfu, the console's MFU): the chips' dense bf16 TFLOP/s;
+  # 0 takes launch.training.throughput's table for the device kind (none on CPU).
+  c.peak_tflops_per_device = 0.0
   # Evaluation, logging, checkpoints.
   c.eval_every = 50
   c.eval_batches = 2

@@ -2,7 +2,7 @@
 
     compiling the train step (the first step runs when it is compiled) ...
     first step: 23.4 s (compilation included)
-    step 120/200 | loss 2.031 | 9.1k tok/s | 0.44 s/step | fallback 3/10 steps | factor 2.0 | ETA 0:00:35
+    step 120/200 | loss 2.031 | 9.1k tok/s | 0.44 s/step | 0.0153 TFLOP/s/dev | fallback 3/10 steps | factor 2 | ETA 0:00:35
     done: steps 0-199 in 0:01:40 | loss 1.874 (eval 1.902) | fallback in 12% of steps | ...
 
 Progress comes once per fetch of the steps' outputs (`config.log_every` steps), from the
@@ -41,6 +41,9 @@ class Interval(NamedTuple):
   dropped_rows: int       # rows dropped in the interval (only without a fallback)
   skipped_steps: int      # steps skipped for a non-finite loss or gradient
   factor: float           # the ragged_buffer_factor in force at its last step
+  tflops_per_device: float | None = None  # the model's TFLOP/s per device (None: not timed)
+  mfu: float | None = None                # model FLOPs utilisation (None: no known peak)
+  spike_steps: int = 0                    # steps skipped as loss or gradient-norm spikes
   stopping: bool = False  # the run stops after it (signal, stop_after, non-finite): no ETA
 
 
@@ -64,11 +67,17 @@ class Console:
     fields = [f"step {done}/{self.total_steps}", f"loss {i.loss:.4g}"]
     if i.seconds_per_step is not None:
       fields += [f"{rate(i.tokens_per_second)} tok/s", f"{i.seconds_per_step:.3g} s/step"]
+      if i.tflops_per_device is not None:
+        fields.append(f"{i.tflops_per_device:.3g} TFLOP/s/dev")
+      if i.mfu is not None:
+        fields.append(f"MFU {i.mfu:.1%}")
     fields.append(f"fallback {i.fallback_steps}/{i.steps} steps")
     if i.dropped_rows:
       fields.append(f"dropped {i.dropped_rows} rows")
     if i.skipped_steps:
       fields.append(f"skipped {i.skipped_steps} non-finite")
+    if i.spike_steps:
+      fields.append(f"skipped {i.spike_steps} spikes")
     fields.append(f"factor {i.factor:g}")
     if i.seconds_per_step is not None and not i.stopping:
       fields.append(f"ETA {duration((self.total_steps - done) * i.seconds_per_step)}")

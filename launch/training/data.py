@@ -66,11 +66,23 @@ class Data(Protocol):
   def set_state(self, state: dict) -> None:
     """Resumes from a `get_state()` of the same source."""
 
+  def position(self, step: int) -> dict:
+    """Where the global train batch of step `step` comes from: JSON, a row per window (its
+    place in the source: file or record and offset), for alerts and `launch.batch`."""
+
+  def global_batch(self, step: int) -> np.ndarray:
+    """`[B, W]` int32: every process's rows of train step `step`'s batch (random access)."""
+
 
 def stdlib_corpus(max_bytes: int) -> np.ndarray:
   """The first `max_bytes` bytes of the standard library's `.py` files, as uint8 `[N]`."""
+  return stdlib_pieces(max_bytes)[0]
+
+
+def stdlib_pieces(max_bytes: int) -> tuple[np.ndarray, list[str], list[int]]:
+  """`stdlib_corpus`, the files it read, in order, and the bytes read of each."""
   root = sysconfig.get_paths()["stdlib"]
-  chunks, total = [], 0
+  chunks, paths, total = [], [], 0
   for directory, subdirs, files in os.walk(root):
     subdirs.sort()
     subdirs[:] = [d for d in subdirs if d not in ("site-packages", "__pycache__")]
@@ -79,11 +91,20 @@ def stdlib_corpus(max_bytes: int) -> np.ndarray:
         with open(os.path.join(directory, name), "rb") as f:
           data = f.read(max_bytes - total)
         chunks.append(data)
+        paths.append(os.path.join(directory, name))
         total += len(data)
   if total < max_bytes // 2:
     raise ValueError(f"the standard library under {root} holds only {total} bytes of .py "
                      f"sources; data.max_bytes={max_bytes} asks for more.")
-  return np.frombuffer(b"".join(chunks), dtype=np.uint8)
+  return np.frombuffer(b"".join(chunks), dtype=np.uint8), paths, [len(c) for c in chunks]
+
+
+def _place(offsets: np.ndarray, start: int, names: list[str] | None) -> dict:
+  """A stream position as `{'file': path, 'offset': n}` (or `'record'`: q for ArrayRecord
+  records, named by their index in the files' concatenation)."""
+  piece = int(np.searchsorted(offsets, start, side="right")) - 1
+  where = {"file": names[piece]} if names is not None else {"record": piece}
+  return {**where, "offset": int(start - offsets[piece])}
 
 
 def _check_source(state: dict, source: str) -> None:
@@ -106,8 +127,12 @@ class TokenData:
 
   def __init__(self, tokens: np.ndarray, *, batch_size: int, seq_len: int, seed: int,
                source: str, process_index: int = 0, process_count: int = 1,
-               eval_fraction: float = EVAL_FRACTION):
+               eval_fraction: float = EVAL_FRACTION, files: list[str] | None = None,
+               sizes: list[int] | None = None):
     split = int(len(tokens) * (1 - eval_fraction))
+    # The files the tokens were read from (None: synthetic), for `position`.
+    self._files = files
+    self._offsets = None if files is None else _offsets(sizes)
     self.train, self.eval = tokens[:split], tokens[split:]
     for name, part in (("train", self.train), ("eval", self.eval)):
       if len(part) <= seq_len + 1:
@@ -118,20 +143,31 @@ class TokenData:
     self._rows = slice(process_index * rows, (process_index + 1) * rows)
     self.vocab_size = VOCAB_SIZE
 
-  def _windows(self, tokens: np.ndarray, key: tuple) -> np.ndarray:
-    """`[b, W]`: this process's rows of the `[B, W]` batch drawn for `key`."""
+  def _starts(self, tokens: np.ndarray, key: tuple) -> np.ndarray:
+    """`[B]`: the window starts of the `[B, W]` batch drawn for `key`. Every process draws all
+    B, so its rows do not depend on the process count."""
     rng = np.random.default_rng((self.seed, *key))
-    # Every process draws all B starts, so its rows do not depend on the process count.
-    starts = rng.integers(0, len(tokens) - self.seq_len - 1, size=self.batch_size)[self._rows]
+    return rng.integers(0, len(tokens) - self.seq_len - 1, size=self.batch_size)
+
+  def _windows(self, tokens: np.ndarray, starts: np.ndarray) -> np.ndarray:
     return np.stack([tokens[s:s + self.seq_len + 1] for s in starts]).astype(np.int32)
 
   def train_batch(self, step: int) -> np.ndarray:
     """`[b, W]` int32 for train step `step` (same step, same batch)."""
-    return self._windows(self.train, (0, step))
+    return self._windows(self.train, self._starts(self.train, (0, step))[self._rows])
 
   def eval_batch(self, index: int) -> np.ndarray:
     """`[b, W]` int32 held-out batch `index`."""
-    return self._windows(self.eval, (1, index))
+    return self._windows(self.eval, self._starts(self.eval, (1, index))[self._rows])
+
+  def global_batch(self, step: int) -> np.ndarray:
+    return self._windows(self.train, self._starts(self.train, (0, step)))
+
+  def position(self, step: int) -> dict:
+    starts = self._starts(self.train, (0, step))
+    rows = [{"start": int(s)} if self._files is None else
+            {"start": int(s), **_place(self._offsets, int(s), self._files)} for s in starts]
+    return {"source": self.source, "seed": self.seed, "step": step, "rows": rows}
 
   def get_state(self) -> dict:
     """Batches are a pure function of (seed, step): only the source is recorded."""
@@ -146,6 +182,7 @@ class TokenStream:
   """A stream of N tokens stored in Q pieces (files or records), read by slices."""
   offsets: np.ndarray  # [Q + 1] int64: piece q holds stream tokens [offsets[q], offsets[q + 1])
   read: Callable[[int, int, int], np.ndarray]  # (q, start, stop) -> tokens [start, stop) of q
+  names: list[str] | None = None  # the file of each piece (None: records, named by index)
 
   def __len__(self) -> int:
     return int(self.offsets[-1])
@@ -176,7 +213,7 @@ def _read_file(path: str, start: int, stop: int) -> np.ndarray:
 def file_stream(paths: list[str]) -> TokenStream:
   """The bytes of `paths`, concatenated in order."""
   return TokenStream(_offsets([os.path.getsize(p) for p in paths]),
-                     lambda q, start, stop: _read_file(paths[q], start, stop))
+                     lambda q, start, stop: _read_file(paths[q], start, stop), list(paths))
 
 
 def _record_tokens(record: bytes, index: int) -> int:
@@ -235,6 +272,11 @@ class GrainData:
     split = dict(seed=seed, rows=batch_size // process_count, process_index=process_index,
                  process_count=process_count)
     train = _batches(window, 0, windows - held_out, **split)
+    # Window k of the train sequence (batch s holds k in [s B, (s + 1) B)), for `position`.
+    self._order = grain.MapDataset.range(0, windows - held_out).shuffle(seed=seed).repeat()
+    self._window, self._width, self._stream = window, width, stream
+    self._names = stream.names
+    self.batch_size, self.seed = batch_size, seed
     self._iterator = iter(train.to_iter_dataset(grain.ReadOptions(**_READ_OPTIONS)))
     self._eval = _batches(window, windows - held_out, held_out, **split)
     self._step = 0
@@ -259,6 +301,18 @@ class GrainData:
   def eval_batch(self, index: int) -> np.ndarray:
     """`[b, W]` int32 held-out batch `index` (a pure function of seed and index)."""
     return self._checked(self._eval[index])
+
+  def _windows_of(self, step: int) -> list[int]:
+    return [int(self._order[k]) for k in range(step * self.batch_size,
+                                               (step + 1) * self.batch_size)]
+
+  def global_batch(self, step: int) -> np.ndarray:
+    return self._checked(np.stack([self._window(k) for k in self._windows_of(step)]))
+
+  def position(self, step: int) -> dict:
+    rows = [{"window": k, **_place(self._stream.offsets, k * self._width, self._names)}
+            for k in self._windows_of(step)]
+    return {"source": self.source, "seed": self.seed, "step": step, "rows": rows}
 
   def get_state(self) -> dict:
     """The next step and grain's iterator state, after the last train batch served."""
@@ -290,20 +344,18 @@ def make_data(config, *, process_index: int = 0, process_count: int = 1) -> Data
   d = config.data
   _check_processes(d.batch_size, process_index, process_count)  # before reading any data
   processes = dict(process_index=process_index, process_count=process_count)
+  names = sizes = None
   if d.source == "stdlib":
-    tokens = stdlib_corpus(d.max_bytes)
+    tokens, names, sizes = stdlib_pieces(d.max_bytes)
   elif d.source == "synthetic":
     tokens = np.random.default_rng(d.seed).integers(0, VOCAB_SIZE, d.max_bytes, dtype=np.uint8)
-  elif d.source in ("files", "array_record"):
+  else:  # 'files' or 'array_record' (launch.settings checked the source)
     paths = _matching_files(d.pattern, d.source)
-    files = d.source == "files"
-    stream = file_stream(paths) if files else array_record_stream(paths)
+    as_bytes = d.source == "files"
+    stream = file_stream(paths) if as_bytes else array_record_stream(paths)
     return GrainData(stream, source=d.source,
                      what=f"config.data.pattern={d.pattern!r} ({len(paths)} file(s))",
-                     vocab_size=VOCAB_SIZE if files else config.vocab_size,
+                     vocab_size=VOCAB_SIZE if as_bytes else config.vocab_size,
                      batch_size=d.batch_size, seq_len=d.seq_len, seed=d.seed, **processes)
-  else:
-    raise ValueError(f"config.data.source={d.source!r} must be one of "
-                     f"{', '.join(map(repr, SOURCES))}.")
   return TokenData(tokens, batch_size=d.batch_size, seq_len=d.seq_len, seed=d.seed,
-                   source=d.source, **processes)
+                   source=d.source, files=names, sizes=sizes, **processes)

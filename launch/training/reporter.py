@@ -8,14 +8,14 @@ fetches them in one transfer and reports each step.
 from __future__ import annotations
 
 import time
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import jax
 import numpy as np
 
 import metrics
 from launch.planning import autopilot, step_model
-from launch.training import console as console_lib
+from launch.training import console as console_lib, throughput
 from metrics import traffic
 
 
@@ -27,19 +27,29 @@ class Pending(NamedTuple):
 
 
 class Totals:
-  """What the run did so far, for the console's summary and the non-finite stop."""
+  """What the run did so far, for the console's summary and the skipped-steps stop."""
 
   def __init__(self):
-    self.steps = self.fallback_steps = self.dropped_rows = self.skipped = 0
-    self.consecutive_skipped = 0  # skipped steps in a row, up to the last step fetched
+    self.steps = self.fallback_steps = self.dropped_rows = self.skipped = self.spikes = 0
+    # Steps skipped in a row (non-finite or spiking), up to the last step fetched.
+    self.consecutive_skipped = 0
     self.eval_loss: float | None = None
+
+
+class Speed(NamedTuple):
+  """What turns a step's time into the model's FLOP rate (`launch.training.throughput`)."""
+  tokens_per_step: int
+  model_flops_per_step: float
+  devices: int
+  peak_tflops: float | None  # per device; None: no MFU (CPU, or a device kind not known)
 
 
 class _Interval(NamedTuple):
   """What one fetch's steps did, summed."""
   fallback_steps: int
   dropped_rows: int
-  skipped_steps: int
+  skipped_steps: int  # non-finite
+  spike_steps: int
 
 
 class Reporter:
@@ -51,15 +61,16 @@ class Reporter:
   as they do for the autopilot and the planner."""
 
   def __init__(self, config, writer: metrics.MoEMetricsWriter, moe_metrics: metrics.MoEMetrics,
-               tokens_per_step: int, recorder: traffic.TrafficRecorder | None,
+               speed: Speed, recorder: traffic.TrafficRecorder | None,
                pilot: autopilot.Autopilot | None, console: console_lib.Console,
-               pricing: autopilot.Pricing):
+               pricing: autopilot.Pricing, position: Callable[[int], dict]):
     self.config = config
     self.pricing = pricing
+    self.speed = speed
+    self.position = position  # step -> where its batch came from (skip alerts)
     self._intervals: list[tuple[float, int, int, float]] = []  # clean: factor, steps, chunks, s
     self.writer = writer
     self.moe_metrics = moe_metrics
-    self.tokens_per_step = tokens_per_step
     self.recorder = recorder
     self.pilot = pilot
     self.console = console
@@ -93,7 +104,8 @@ class Reporter:
     # From fetch to fetch: the interval's time includes the host's work for the one before.
     now = time.perf_counter()
     seconds, self._since = now - self._since, now
-    interval = self._report_steps(pending, fetched, seconds)
+    interval = self._report_steps(pending, fetched, seconds,
+                                  timed=self._compiled and not cut_short)
     clean = self._timed_cleanly()
     chunks = [out["moe_stats"].fallback_chunks for out in fetched]
     if clean and len({p.factor for p in pending}) == 1:
@@ -125,24 +137,25 @@ class Reporter:
     self.moe_metrics.aggregator.price = step_model.rule_price(timings, self.pricing.flops,
                                                               self.pricing.chunks)
 
-  def _report_steps(self, pending: list[Pending], fetched: list[dict], seconds: float
-                    ) -> _Interval:
-    """Writes each fetched step's points, runs its alerts and feeds the autopilot."""
+  def _report_steps(self, pending: list[Pending], fetched: list[dict], seconds: float,
+                    timed: bool) -> _Interval:
+    """Writes each fetched step's points, runs its alerts and feeds the autopilot; `timed`:
+    the interval's time is its steps' (not the compile's, nor a stop's host work)."""
     totals = self.totals
-    fallbacks = dropped = skipped_steps = 0
+    fallbacks = dropped = skipped_steps = spike_steps = 0
     for p, out in zip(pending, fetched):
       self.losses.append(float(out["loss"]))
-      skipped = bool(out["skipped"])
+      skipped, spike = bool(out["skipped"]), bool(out.get("spike", False))
       totals.skipped += skipped
-      totals.consecutive_skipped = totals.consecutive_skipped + 1 if skipped else 0
+      totals.spikes += spike
+      totals.consecutive_skipped = totals.consecutive_skipped + 1 if skipped or spike else 0
       skipped_steps += skipped
+      spike_steps += spike
       stats = out["moe_stats"]
       fallbacks += bool(np.any(stats.fallback))
       dropped += int(np.sum(stats.dropped_rows))
-      scalars = {f"train/{k}": float(out[k]) for k in ("loss", "grad_norm", "learning_rate")}
-      scalars["train/skipped_steps"] = totals.skipped
-      if p is pending[-1]:
-        scalars["train/tokens_per_second"] = self.tokens_per_step * len(pending) / seconds
+      scalars = self._scalars(out, last=p is pending[-1], steps=len(pending), seconds=seconds,
+                              timed=timed)
       self.dropless_steps += bool(out.get("dropless", False))
       if self.config.moe_metrics:
         scalars["moe/ragged_buffer_factor"] = p.factor
@@ -150,15 +163,45 @@ class Reporter:
             p.step, stats, factor=p.factor,
             dropless_steps=self.dropless_steps if "dropless" in out else None)
       self.writer.write_scalars(p.step, scalars)
-      if skipped:
-        self.moe_metrics.alerts.nonfinite_step(p.step, float(out["loss"]),
-                                               float(out["grad_norm"]))
+      self._skip_alerts(p.step, out, skipped, spike)
       if self.pilot is not None:
         self.pilot.observe(stats)
     totals.steps += len(pending)
     totals.fallback_steps += fallbacks
     totals.dropped_rows += dropped
-    return _Interval(fallbacks, dropped, skipped_steps)
+    return _Interval(fallbacks, dropped, skipped_steps, spike_steps)
+
+  def _scalars(self, out: dict, *, last: bool, steps: int, seconds: float, timed: bool
+               ) -> dict:
+    """A step's training scalars; the fetch's last step also gets its rates (the model's
+    FLOP rate and MFU only from a `timed` interval)."""
+    scalars = {f"train/{k}": float(out[k]) for k in ("loss", "grad_norm", "learning_rate")}
+    scalars["train/skipped_steps"] = self.totals.skipped
+    if "spike" in out:
+      scalars["train/spike_skipped_steps"] = self.totals.spikes
+    if last:
+      scalars["train/tokens_per_second"] = self.speed.tokens_per_step * steps / seconds
+      if timed:
+        tflops, mfu = throughput.mfu(self.speed.model_flops_per_step, seconds / steps,
+                                     self.speed.devices, self.speed.peak_tflops)
+        scalars["train/model_tflops_per_device"] = tflops
+        if mfu is not None:
+          scalars["train/mfu"] = mfu
+    return scalars
+
+  def _skip_alerts(self, step: int, out: dict, skipped: bool, spike: bool) -> None:
+    """The alerts of a step whose update was skipped, with where its batch came from."""
+    if not (skipped or spike):
+      return
+    alerts, position = self.moe_metrics.alerts, self.position(step)
+    loss, grad_norm = float(out["loss"]), float(out["grad_norm"])
+    if skipped:
+      alerts.nonfinite_step(step, loss, grad_norm, data_position=position)
+    if spike:
+      spikes = self.config.spikes
+      alerts.loss_spike(step, loss, grad_norm, tuple(map(float, out["spike_mean"])),
+                        tuple(map(float, out["spike_std"])), spikes.sigma, spikes.window,
+                        data_position=position)
 
   def _timed_cleanly(self) -> bool:
     """Whether the interval just fetched timed its steps alone: it was not the first, nothing
@@ -178,10 +221,14 @@ class Reporter:
     timed = self._compiled and not cut_short
     self._compiled = True
     steps = len(pending)
+    tflops, mfu = throughput.mfu(self.speed.model_flops_per_step, seconds / steps,
+                                 self.speed.devices, self.speed.peak_tflops)
     self.console.progress(console_lib.Interval(
         last_step=pending[-1].step, loss=self.losses[-1],
         seconds_per_step=seconds / steps if timed else None,
-        tokens_per_second=self.tokens_per_step * steps / seconds if timed else None,
+        tokens_per_second=self.speed.tokens_per_step * steps / seconds if timed else None,
         fallback_steps=interval.fallback_steps, steps=steps,
         dropped_rows=interval.dropped_rows, skipped_steps=interval.skipped_steps,
-        factor=pending[-1].factor, stopping=stopping))
+        factor=pending[-1].factor, stopping=stopping,
+        tflops_per_device=tflops if timed else None, mfu=mfu if timed else None,
+        spike_steps=interval.spike_steps))

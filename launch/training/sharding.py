@@ -61,10 +61,12 @@ def param_specs(params: Any, mesh: Mesh, moe_config: moe_hk.MoEConfig) -> Any:
 
 def state_shardings(state_shapes: Any, mesh: Mesh, moe_config: moe_hk.MoEConfig,
                     tx: optax.GradientTransformation) -> Any:
-  """NamedShardings for a `TrainState(step, params, opt_state)` of ShapeDtypeStructs."""
+  """NamedShardings for a `TrainState(step, params, opt_state, spikes)` of ShapeDtypeStructs
+  (the step and the spike window replicated)."""
   named = lambda spec: NamedSharding(mesh, spec)
   params = jax.tree.map(named, param_specs(state_shapes.params, mesh, moe_config),
                         is_leaf=lambda s: isinstance(s, P))
   opt_state = optax.tree_map_params(tx, lambda _, sharding: sharding, state_shapes.opt_state,
                                     params, transform_non_params=lambda _: named(P()))
-  return type(state_shapes)(named(P()), params, opt_state)
+  spikes = jax.tree.map(lambda _: named(P()), state_shapes.spikes)
+  return type(state_shapes)(named(P()), params, opt_state, spikes)

@@ -20,7 +20,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from launch.compiling import memory
 from launch.settings import Settings
-from launch.training import sharding
+from launch.training import sharding, spikes as spikes_lib
 from launch.training.model import Transformer, cross_entropy
 from moe_hk import fallback, step_mode as step_mode_lib
 
@@ -29,6 +29,9 @@ class TrainState(NamedTuple):
   step: jax.Array         # [] int32
   params: hk.Params       # float32
   opt_state: optax.OptState
+  # The recent applied steps' losses and gradient norms, with `config.spikes.enabled`
+  # (`launch.training.spikes`); None without.
+  spikes: spikes_lib.SpikeWindow | None = None
 
 
 class Steps(NamedTuple):
@@ -94,9 +97,11 @@ def make_steps(settings: Settings, mesh: Mesh,
                chunk_loop: fallback.ChunkLoop | None = None) -> Steps:
   """Builds the jitted steps of `settings` (its model, optimizer and MoE layers) on `mesh`;
   the train step donates the state. `chunk_loop` is for measurements only (the model's).
-  Its outputs hold `skipped`
-  (bool scalar: the loss or gradient norm was not finite; with `config.skip_nonfinite_steps`
-  the step then left params and optimizer state unchanged). In
+  Its outputs hold `skipped` (bool scalar: the loss or gradient norm was not finite; with
+  `config.skip_nonfinite_steps` the step then left params and optimizer state unchanged) and,
+  with `config.spikes.enabled`, `spike` (the step's loss or gradient norm spiked, so it left
+  them unchanged too) with the window's `spike_mean` and `spike_std` `[2]` (loss, gradient
+  norm). In
   `moe.moe_dropless_fallback='step'` mode a step in which a MoE layer overflowed runs every
   MoE layer from that one on the chunked dropless path (`moe_hk.step_mode`); its outputs
   then hold `dropless` (bool scalar: the step ran dropless from an overflowing layer on)."""
@@ -106,10 +111,13 @@ def make_steps(settings: Settings, mesh: Mesh,
   batch_sharding = NamedSharding(mesh, P(tuple(mesh.axis_names)))
   model = _transformed(settings, mesh, chunk_loop)
 
+  spiking = config.spikes.enabled
+
   def init(rng):
     tokens = jnp.zeros((config.data.batch_size, config.data.seq_len), jnp.int32)
     params = model.init(rng, tokens, None)
-    return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params))
+    return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params),
+                      spikes_lib.empty(config.spikes.window) if spiking else None)
 
   shapes = jax.eval_shape(init, jax.random.key(0))
   state_sharding = sharding.state_shardings(shapes, mesh, layer_config, tx)
@@ -123,12 +131,19 @@ def make_steps(settings: Settings, mesh: Mesh,
     updates, opt_state = tx.update(gradients, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     finite = jnp.isfinite(total) & jnp.isfinite(grad_norm)
-    if config.skip_nonfinite_steps:
-      # One select per leaf, fused into the update on the donated buffers: a non-finite step
+    keep_old = ~finite if config.skip_nonfinite_steps else jnp.zeros((), bool)
+    window = state.spikes
+    if spiking:
+      test = spikes_lib.check(window, ce, grad_norm, config.spikes.sigma)
+      keep_old = keep_old | test.spike
+      window = spikes_lib.push(window, ce, grad_norm, ~keep_old)
+      extra.update(spike=test.spike, spike_mean=test.mean, spike_std=test.std)
+    if config.skip_nonfinite_steps or spiking:
+      # One select per leaf, fused into the update on the donated buffers: a skipped step
       # keeps the params and optimizer state it was given.
-      keep = lambda new, old: jnp.where(finite, new, old)
+      keep = lambda new, old: jnp.where(keep_old, old, new)
       params, opt_state = jax.tree.map(keep, (params, opt_state), (state.params, state.opt_state))
-    new_state = TrainState(state.step + 1, params, opt_state)
+    new_state = TrainState(state.step + 1, params, opt_state, window)
     return new_state, {"loss": ce, "grad_norm": grad_norm, "skipped": ~finite,
                        "learning_rate": schedule(state.step), "moe_stats": stats, **extra}
 

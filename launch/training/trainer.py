@@ -26,11 +26,13 @@ import metrics
 import moe_hk
 from launch.errors import UserError, user_errors
 from launch.planning import autopilot, programs, step_model
+from launch import settings as settings_lib
 from launch.settings import Settings
 from launch.training import console as console_lib
 from launch.training import data as data_lib
+from launch.training import throughput
 from launch.training.checkpoints import Checkpoints, Restored
-from launch.training.reporter import Pending, Reporter
+from launch.training.reporter import Pending, Reporter, Speed
 from launch.training.steps import Steps, abstract_inputs, make_steps
 from metrics import traffic
 from metrics.alerts import ALERTS_FILE
@@ -86,8 +88,11 @@ class _Run(NamedTuple):
 
 
 def _setup(settings: Settings, workdir: str) -> _Run:
-  """The mesh, data, steps and checkpoints of the run, checked before anything compiles."""
+  """The mesh, data, steps and checkpoints of the run, checked before anything compiles; the
+  config saved as `workdir/config.json` (for `launch.batch`)."""
   _check_workdir(workdir)
+  if jax.process_index() == 0:
+    settings_lib.save(settings.config, workdir)
   mesh = moe_hk.make_mesh(**settings.mesh)
   with user_errors():
     data = data_lib.make_data(settings.config, process_index=jax.process_index(),
@@ -189,16 +194,18 @@ class _Loop:
     `step + 1`."""
     skipped, limit = (self.reporter.totals.consecutive_skipped,
                       self.config.max_consecutive_nonfinite)
-    if not (self.config.skip_nonfinite_steps and skipped >= limit):
+    if not ((self.config.skip_nonfinite_steps or self.config.spikes.enabled) and
+            skipped >= limit):
       return
     self.reporter.flush(self.pending, stopping=True, cut_short=True)
     self.save(step + 1)
     self.run_.checkpoints.wait()
     raise UserError(
-        f"{skipped} steps in a row up to step {fetched} had a non-finite loss or gradient "
-        f"norm (config.max_consecutive_nonfinite={limit}); they changed nothing, and the state "
-        f"is checkpointed at step {step + 1}: check the data and the learning rate, then "
-        "rerun to resume.")
+        f"{skipped} steps in a row up to step {fetched} had a non-finite or spiking loss or "
+        f"gradient norm (config.max_consecutive_nonfinite={limit}); they changed nothing, and "
+        f"the state is checkpointed at step {step + 1}: check the data (python -m launch.batch "
+        f"--workdir={self.run_.workdir} --step={fetched}) and the learning rate, then rerun "
+        "to resume.")
 
   def _batch(self, rows: np.ndarray) -> jax.Array:
     """This process's rows `[B / processes, S + 1]` of the global batch, on its devices."""
@@ -328,9 +335,9 @@ def _train(run: _Run, state, stop_after: int | None) -> _Loop:
       pricing = _pricing(settings, flops)
       pilot = _autopilot(run, moe_metrics, worst, pricing)
       train, factor = _resume(run, moe_metrics, pilot)
-      reporter = Reporter(settings.config, writer, moe_metrics,
-                          settings.config.data.batch_size * settings.config.data.seq_len,
-                          _recorder(run, flops), pilot, run.console, pricing)
+      reporter = Reporter(settings.config, writer, moe_metrics, _speed(settings, flops),
+                          _recorder(run, flops), pilot, run.console, pricing,
+                          run.data.position)
       loop = _Loop(run, state, reporter, moe_metrics, pilot, stop_after)
       try:
         loop.run(train, factor)
@@ -361,6 +368,14 @@ def _resume(run: _Run, moe_metrics: metrics.MoEMetrics, pilot: autopilot.Autopil
   return run.steps.train, factor
 
 
+def _speed(settings: Settings, flops: step_model.StepFlops) -> Speed:
+  """The model's FLOPs per step and the devices' peak, for the MFU."""
+  config, device = settings.config, jax.devices()[0]
+  return Speed(config.data.batch_size * config.data.seq_len, throughput.model_flops(flops),
+               jax.device_count(), throughput.peak_tflops(device.device_kind, device.platform,
+                                                          config.peak_tflops_per_device))
+
+
 def _recorder(run: _Run, flops: step_model.StepFlops) -> traffic.TrafficRecorder | None:
   """Process 0's traffic recorder when `config.traffic.record`, else None."""
   config, layer = run.settings.config, run.settings.layer
@@ -383,7 +398,8 @@ def _summary(run: _Run, reporter: Reporter, first: int, seconds: float, alerts: 
   console.line(
       f"done: steps {first}-{first + len(losses) - 1} in {console_lib.duration(seconds)} | "
       f"loss {losses[-1]:.4g}{evaluated} | fallback in {totals.fallback_steps}/{totals.steps} "
-      f"steps | dropped {totals.dropped_rows} rows | skipped {totals.skipped} non-finite steps")
+      f"steps | dropped {totals.dropped_rows} rows | skipped {totals.skipped} non-finite" +
+      (f" and {totals.spikes} spiking steps" if run.settings.config.spikes.enabled else " steps"))
   console.line(f"alerts: {alerts} new in {os.path.join(run.workdir, ALERTS_FILE)} | "
                f"TensorBoard: tensorboard --logdir {run.workdir} | checkpoints: "
                f"{run.checkpoints.directory} (step {run.checkpoints.latest_step()})")
