@@ -80,8 +80,8 @@ def run(name: str, path: str, steps: int, from_step: int) -> dict:
           d = alert["details"]
           changes.append({"step": alert["step"], "from": d["old_factor"], "to": d["new_factor"],
                           "reason": d["reason"]})
-  tokens = c.data.batch_size * c.data.seq_len
-  return {"run": name, "factor": c.moe.ragged_buffer_factor, "autopilot": fixed is None,
+  tokens = settings.config.data.batch_size * settings.config.data.seq_len
+  return {"run": name, "factor": settings.layer.ragged_buffer_factor, "autopilot": fixed is None,
           "changes": changes, "final_factor": factors[last],
           "fallback_frequency": float(np.mean([fell_back[s][1] > 0 for s in range(steps)])),
           "max_dropped_rows_fraction": max(v for _, v in dropped.values()),

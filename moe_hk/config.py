@@ -14,7 +14,7 @@ import jax.numpy as jnp
 FALLBACK_MODES = ("none", "layer", "step")
 FALLBACK_CHUNKINGS = ("fixed", "adaptive")
 A2A_IMPLS = ("auto", "native", "emulated")
-GMM_IMPLS = ("auto", "ragged_dot", "blocked", "megablox")
+GMM_IMPLS = ("auto", "ragged_dot", "blocked", "megablox", "tokamax")
 ROUTER_SCORES = ("softmax", "sigmoid")
 DTYPES = ("float32", "bfloat16")
 
@@ -60,8 +60,9 @@ class MoEConfig:
     a2a_impl: Ragged all-to-all backend: 'native' (XLA's; TPU, GPU), 'emulated' (dense
       collectives, same results; CPU), or 'auto' (by the mesh's platform).
     gmm_impl: Grouped-matmul backend: 'ragged_dot' (XLA's; TPU), 'megablox' (jax's Pallas
-      TPU kernels; TPU, interpreted on CPU), 'blocked' (CPU, GPU), or 'auto' (ragged_dot on
-      TPU, else blocked).
+      TPU kernels; TPU, interpreted on CPU), 'tokamax' (tokamax's Pallas Mosaic GPU kernels
+      for bfloat16, XLA's ragged_dot for float32; GPU, on tokamax's XLA reference on CPU;
+      not TPU), 'blocked' (CPU, GPU), or 'auto' (ragged_dot on TPU, else blocked).
     gmm_block_rows: Row block of the 'blocked' grouped matmul.
     router_score: Combine weights: 'softmax' over the K selected logits, or 'sigmoid' of each
       selected logit (Llama4; top-1 weights then still train the router).

@@ -5,7 +5,8 @@ Shapes: M rows grouped by expert (group g holds `group_sizes[g]` consecutive row
 K / N contracted / output width of one grouped matmul, r rows of one tile, V tile levels.
 
 `ragged_dot` (XLA's) and `megablox` (jax's Pallas TPU kernels, `moe_hk.megablox`) are the TPU
-backends. On XLA:CPU `ragged_dot` is a masked dense product that pays G times the useful
+backends; `tokamax` (tokamax's Pallas Mosaic GPU kernels, `moe_hk.tokamax_gmm`) is the GPU
+kernel backend. On XLA:CPU `ragged_dot` is a masked dense product that pays G times the useful
 FLOPs, so the `blocked` backend loops over groups instead and cuts each group's rows, where
 they lie, into tiles of halving size (b, b/2, ... down to about b/8 rows), multiplying each
 tile by its group's weights. Only a group's last tile can reach past it (a masked tail, less
@@ -21,7 +22,7 @@ from typing import Any, Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from moe_hk import megablox
+from moe_hk import megablox, tokamax_gmm
 from moe_hk.vma import sum_to_axes_of, vary_like
 
 # The smallest tile is about block_rows / 8 rows: the masked tail of a group then wastes at
@@ -188,12 +189,15 @@ def expert_mlp(x: jax.Array, wi_0: jax.Array, wi_1: jax.Array, wo: jax.Array,
 
   x `[M, D]`, wi_0/wi_1 `[G, D, F]`, wo `[G, F, D]`, group_sizes `[G]` -> `[M, D]` in x's dtype,
   0 past the groups. The gradient of x's rows past the groups is 0, except with 'megablox'
-  (undefined). `interpret` runs the 'megablox' kernels in Pallas's interpreter (CPU).
+  (undefined). `interpret` (a CPU mesh) runs the 'megablox' kernels in Pallas's interpreter
+  and 'tokamax' on its XLA reference implementation (its GPU kernels cannot run on a CPU).
   """
-  assert impl in ("ragged_dot", "blocked", "megablox"), (
+  assert impl in ("ragged_dot", "blocked", "megablox", "tokamax"), (
       f"gmm impl {impl!r}: resolve_backends picks it")
   if impl == "ragged_dot":
     return ragged_dot_expert_mlp(x, wi_0, wi_1, wo, group_sizes)
   if impl == "blocked":
     return blocked_expert_mlp(x, wi_0, wi_1, wo, group_sizes, block_rows)
+  if impl == "tokamax":
+    return tokamax_gmm.expert_mlp(x, wi_0, wi_1, wo, group_sizes, reference=interpret)
   return megablox.expert_mlp(x, wi_0, wi_1, wo, group_sizes, interpret)

@@ -52,16 +52,27 @@ def resolve_backends(config: MoEConfig, mesh: Mesh) -> Backends:
         "ragged-all-to-all; use 'emulated' or 'auto'.")
   a2a = config.a2a_impl if config.a2a_impl != "auto" else (
       "emulated" if platform == "cpu" else "native")
-  # XLA:GPU's ragged_dot is much slower than the blocked loop (docs/design.md, measured by
-  # benchmarks/gpu_native.py), so only TPU gets ragged_dot.
-  gmm = config.gmm_impl if config.gmm_impl != "auto" else (
-      "ragged_dot" if platform == "tpu" else "blocked")
+  # 'auto': the backend measured fastest on the platform (on GPU by benchmarks/gpu_native.py:
+  # XLA:GPU's ragged_dot is several times slower than the blocked loop, so only TPU gets it).
+  # tokamax's GPU kernels take bfloat16 only (float32 would run XLA's ragged_dot inside it),
+  # so the GPU pick applies to bfloat16 layers and float32 ones keep 'blocked'.
+  gpu_bfloat16 = "blocked"
+  auto = {"tpu": "ragged_dot",
+          "gpu": gpu_bfloat16 if config.compute_dtype == jnp.bfloat16 else "blocked"}
+  gmm = config.gmm_impl if config.gmm_impl != "auto" else auto.get(platform, "blocked")
   if gmm == "megablox" and platform not in ("tpu", "cpu"):
     raise ValueError(
         f"MoEConfig.gmm_impl='megablox' is a Mosaic TPU kernel: it runs on a TPU mesh (and "
         f"interpreted on a CPU mesh, for tests), not on a {platform} mesh; use 'blocked', "
         "'ragged_dot' or 'auto'.")
-  return Backends(a2a, gmm, interpret=gmm == "megablox" and platform == "cpu")
+  if gmm == "tokamax" and platform == "tpu":
+    raise ValueError(
+        "MoEConfig.gmm_impl='tokamax' runs tokamax's Mosaic GPU kernels: it runs on a GPU mesh "
+        "(and on tokamax's XLA reference on a CPU mesh, for tests), not on a tpu mesh; use "
+        "'megablox' (jax's Pallas TPU kernels), 'ragged_dot' or 'auto'.")
+  # On a CPU mesh the kernel backends run their stand-ins: megablox in Pallas's interpreter,
+  # tokamax on its XLA reference.
+  return Backends(a2a, gmm, interpret=gmm in ("megablox", "tokamax") and platform == "cpu")
 
 
 def _gather_fsdp(experts: ExpertWeights, mesh: Mesh, config: MoEConfig) -> ExpertWeights:

@@ -14,7 +14,7 @@ import pytest
 from jax.sharding import NamedSharding
 
 import moe_hk
-from launch.compiling import memory, topology
+from launch.compiling import topology
 from launch.training import attention
 from moe_hk import mesh as mesh_lib
 from tests.helpers import require_libtpu

@@ -10,7 +10,7 @@ import sys
 
 import numpy as np
 import pytest
-from absl import app, flags
+from absl import app
 from absl.testing import flagsaver
 
 from launch.errors import UserError

@@ -24,7 +24,7 @@ BASE = dict(num_experts=8, num_experts_per_tok=2, emb_dim=16, mlp_dim=32)
     (dict(ragged_buffer_factor=-0.5), r"ragged_buffer_factor=-0.5"),
     (dict(moe_dropless_fallback="always"), r"moe_dropless_fallback='always' .*'none', 'layer', 'step'"),
     (dict(a2a_impl="nccl"), r"a2a_impl='nccl' .*'auto', 'native', 'emulated'"),
-    (dict(gmm_impl="tokamax"), r"gmm_impl='tokamax' .*'ragged_dot', 'blocked', 'megablox'"),
+    (dict(gmm_impl="cutlass"), r"gmm_impl='cutlass' .*'ragged_dot', 'blocked', 'megablox', 'tokamax'"),
     (dict(router_score="relu"), r"router_score='relu' .*'softmax', 'sigmoid'"),
     (dict(dtype="float16"), r"dtype='float16' .*'float32', 'bfloat16'"),
     (dict(dtype=jnp.int32), r"dtype=<class 'jax.numpy.int32'> .*'float32', 'bfloat16'"),

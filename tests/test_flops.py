@@ -75,7 +75,7 @@ def test_the_model_flops_behind_mfu_are_the_hand_count_of_the_tiny_model():
   settings = settings_lib.build(c, jax.device_count())
   mesh = moe_hk.make_mesh(**settings.mesh)
   params = jax.eval_shape(make_steps(settings, mesh).init, jax.random.key(0)).params
-  d, f, e, k, v = c.emb_dim, c.mlp_dim, c.moe.num_experts, c.moe.num_experts_per_tok, c.vocab_size
+  d, e, k, v = c.emb_dim, c.moe.num_experts, c.moe.num_experts_per_tok, c.vocab_size
   attention = d * c.num_heads * c.head_dim * 2 + d * c.num_kv_heads * c.head_dim * 2  # q o, k v
   norms = 2 * d                                                       # attention and MLP norms
   dense_block = attention + norms + 3 * d * c.mlp_dim

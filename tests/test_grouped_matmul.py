@@ -1,12 +1,16 @@
-"""Grouped SwiGLU experts (blocked, ragged_dot, megablox) against a per-row dense reference."""
+"""Grouped SwiGLU experts (blocked, ragged_dot, megablox, tokamax) against a per-row dense
+reference."""
 import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
+import moe_hk
 from moe_hk import grouped_matmul, ragged_path
+from tests.moe_inputs import outputs_and_grads, reference_outputs_and_grads, skewed_inputs
 from tests.tree_close import assert_trees_close
 
 
@@ -30,14 +34,15 @@ def _value_and_grads(fn, x, wi_0, wi_1, wo, sizes, cot):
 def _compiled_mlp(impl: str, block_rows: int):
   """The jitted `_value_and_grads` of one backend, group sizes an argument: the cases of one
   backend share it (one worker runs them, tests/conftest.py WORKER_GROUPS)."""
+  # interpret: megablox in Pallas's interpreter, tokamax on its XLA reference (CPU).
   mlp = functools.partial(grouped_matmul.expert_mlp, impl=impl, block_rows=max(block_rows, 1),
-                          interpret=True)  # megablox: Pallas's interpreter on CPU
+                          interpret=True)
   return jax.jit(functools.partial(_value_and_grads, mlp))
 
 
 @pytest.mark.parametrize("impl,block_rows", [
     ("blocked", 1), ("blocked", 3), ("blocked", 8), ("blocked", 128), ("ragged_dot", 0),
-    ("megablox", 0)])
+    ("megablox", 0), ("tokamax", 0)])
 @pytest.mark.parametrize("group_sizes", [
     [5, 0, 7, 2], [0, 0, 0, 0], [20, 0, 0, 0], [1, 1, 1, 13], [0, 24, 0, 0]])
 def test_expert_mlp_matches_per_row_reference(impl, block_rows, group_sizes):
@@ -177,6 +182,109 @@ def test_megablox_spans_tiles_and_ignores_padding_rows(dtype, rtol):
   in_groups = lambda tree: (tree[0], (tree[1][0][:330], *tree[1][1:]))  # dx: undefined past
   assert_trees_close(in_groups(got), in_groups(want), rtol=rtol,
                      what=f"megablox {jnp.dtype(dtype).name}")
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["float32", "bfloat16"])
+def test_tokamax_ignores_nonfinite_padding_rows(dtype):
+  """tokamax's Mosaic GPU kernels leave rows past the groups unwritten and mask the weight
+  gradient's rows by multiplying, so the wrapper selects every product's rows there to 0.
+  On CPU tokamax runs its XLA reference under the same wrapper: NaN padding rows in x and a
+  cotangent that is nonzero there must reach neither the output, nor the rows in groups, nor
+  the weight gradients, and x's gradient is 0 on padding rows. Tolerance per leaf: 1e-5 in
+  float32; 2e-2 in bfloat16 (three matmuls with rounded products against a float32
+  reference from the same rounded inputs)."""
+  rng = np.random.default_rng(7)
+  sizes = np.array([9, 0, 14, 5])  # an empty group; 28 of 40 rows in groups
+  rows, d, f = 40, 16, 24
+  x = rng.normal(size=(rows, d)).astype(np.float32)
+  x[28:] = np.nan
+  clean = np.where(np.isnan(x), 0, x)
+  wi_0, wi_1, wo = (rng.normal(size=s).astype(np.float32) / np.sqrt(s[1])
+                    for s in [(4, d, f), (4, d, f), (4, f, d)])
+  cot = jnp.asarray(rng.normal(size=(rows, d)), jnp.float32)
+
+  def value_and_grads(fn, *args):
+    loss = lambda *a: jnp.sum(fn(*a).astype(jnp.float32) * cot)
+    return fn(*args), jax.grad(loss, argnums=(0, 1, 2, 3))(*args)
+  mlp = lambda *a: grouped_matmul.expert_mlp(*a, jnp.asarray(sizes, jnp.int32), impl="tokamax",
+                                             interpret=True)
+  got = jax.jit(functools.partial(value_and_grads, mlp))(
+      *(jnp.asarray(a, dtype) for a in (x, wi_0, wi_1, wo)))
+  assert [a.dtype for a in jax.tree.leaves(got)] == [dtype] * 5
+  got = jax.tree.map(lambda a: np.asarray(a, np.float32), got)
+  np.testing.assert_array_equal(got[0][28:], 0)     # output
+  np.testing.assert_array_equal(got[1][0][28:], 0)  # x's gradient
+  np.testing.assert_array_equal(got[1][1][1], 0)    # the empty group's weights
+  as_dtype = lambda a: jnp.asarray(jnp.asarray(a, dtype), jnp.float32)  # same rounded inputs
+  want = value_and_grads(lambda *a: _dense_reference(*a, sizes),
+                         *(as_dtype(a) for a in (clean, wi_0, wi_1, wo)))
+  assert_trees_close(got, want, rtol=1e-5 if dtype == jnp.float32 else 2e-2,
+                     what=f"tokamax {jnp.dtype(dtype).name}")
+
+
+def test_tokamax_weight_gradients_sum_over_the_shards_that_share_them():
+  """Inside the layer's shard_map (vma check on) each shard multiplies its own rows by its
+  expert shard's weights, which the `data` axis replicates: the weight gradients are the sum
+  over the shards that hold the same weights. tokamax's kernels return values that vary over
+  no mesh axis, so the wrapper's backward marks and sums them itself."""
+  mesh = jax.make_mesh((2, 4), ("data", "expert"),
+                       axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  rng = np.random.default_rng(11)
+  rows, d, f, local = 12, 8, 16, 2    # per shard: 12 rows, 2 local experts (8 in all)
+  sizes = rng.integers(0, 6, size=(8, local))  # per shard (data-major), sums <= 12
+  x, cot = (jnp.asarray(rng.normal(size=(8 * rows, d)), jnp.float32) for _ in range(2))
+  wi_0, wi_1, wo = (jnp.asarray(rng.normal(size=s), jnp.float32)
+                    for s in [(8, d, f), (8, d, f), (8, f, d)])
+  shard = P(("data", "expert"))
+
+  def local_mlp(x, wi_0, wi_1, wo, sizes):
+    return grouped_matmul.expert_mlp(x, wi_0, wi_1, wo, sizes[0], impl="tokamax",
+                                     interpret=True)
+  layer = jax.shard_map(local_mlp, mesh=mesh, out_specs=shard, check_vma=True,
+                        in_specs=(shard, P("expert"), P("expert"), P("expert"), shard))
+
+  def reference(x, wi_0, wi_1, wo, sizes):  # shard s = (data i, expert j): experts 2j, 2j + 1
+    return jnp.concatenate([
+        _dense_reference(x[s * rows:(s + 1) * rows], *(w[2 * (s % 4):2 * (s % 4) + 2]
+                                                        for w in (wi_0, wi_1, wo)), sizes[s])
+        for s in range(8)])
+  got = jax.jit(functools.partial(_value_and_grads, layer))(
+      x, wi_0, wi_1, wo, jnp.asarray(sizes, jnp.int32), cot)
+  want = _value_and_grads(reference, x, wi_0, wi_1, wo, sizes, cot)
+  assert_trees_close(got, want, what="tokamax in shard_map")
+
+
+@pytest.mark.slow
+def test_tokamax_layer_fallback_equals_dropless():
+  """The layer with gmm_impl='tokamax' (its XLA reference on the CPU mesh) on a case whose
+  capped buffer overflows, so the `layer` fallback runs: outputs and every gradient equal
+  the dropless dense reference (tests/test_fallback.py's grid, one case, on the ring path:
+  the quicker of the two to compile)."""
+  mesh = moe_hk.make_mesh(data=4, expert=2)
+  config = moe_hk.MoEConfig(num_experts=4, num_experts_per_tok=2, emb_dim=16, mlp_dim=32,
+                            ragged_buffer_factor=0.4, gmm_impl="tokamax",
+                            use_ring_of_experts=True, moe_dropless_fallback="layer",
+                            dropless_fallback_chunking="fixed")
+  params, x = skewed_inputs(config, 16, 16, skew=1.5, seed=4)
+  cot = jax.random.normal(jax.random.key(3), x.shape)
+  layer = functools.partial(moe_hk.moe_forward, config=config, mesh=mesh)
+  y, stats, grads = jax.jit(functools.partial(outputs_and_grads, layer))(params, x, cot)
+  y_ref, _, grads_ref = reference_outputs_and_grads(params, x, cot, k=2)
+  assert int(stats.would_drop_rows) > 0, "the case must really overflow the capped buffer"
+  assert int(stats.fallback) == 1 and int(stats.dropped_rows) == 0
+  assert_trees_close(y, y_ref, what="y")
+  assert_trees_close(grads, grads_ref, what="grad")
+
+
+def test_tokamax_is_refused_on_a_tpu_mesh():
+  config = moe_hk.MoEConfig(num_experts=8, num_experts_per_tok=2, emb_dim=16, mlp_dim=32,
+                            gmm_impl="tokamax")
+  tpu = type("TpuDevice", (), {"platform": "tpu"})()
+  fake = type("Mesh", (), {"devices": np.array([tpu])})()
+  with pytest.raises(ValueError, match=r"gmm_impl='tokamax' .*GPU .*not on a tpu mesh"):
+    moe_hk.mesh_forward.resolve_backends(config, fake)
+  cpu = moe_hk.mesh_forward.resolve_backends(config, moe_hk.make_mesh(data=4, expert=2))
+  assert (cpu.gmm, cpu.interpret) == ("tokamax", True)  # CPU: tokamax's XLA reference
 
 
 def test_grouped_rows_cut_padding_rows_off_the_gradient():

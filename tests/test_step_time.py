@@ -3,13 +3,11 @@ the factor rule of `metrics.factor_advice`) on intervals whose true step and chu
 known."""
 import json
 import re
-import sys
 
 import numpy as np
 import pytest
 
 from launch.errors import UserError
-from launch import capacity
 from launch.planning import replay, step_model as step_time
 from metrics.traffic import RunShape, Timings, Traffic, TrafficRecorder, read_traffic
 from moe_hk import fallback
