@@ -9,14 +9,12 @@ the step (the grain sources' shuffled window order, which their checkpointed ite
 points into). Each row: its window's source (file and byte offset, or ArrayRecord record and
 token offset) and its first tokens (bytes as text for the byte sources, ids otherwise).
 """
-import os
-
 import numpy as np
 from absl import flags
 
 from launch import cli, settings
 from launch.errors import UserError, user_errors
-from launch.training import data as data_lib
+from launch.training import checkpoints, data as data_lib
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Workdir of a launch.train run.", required=True)
 _STEP = flags.DEFINE_integer("step", None, "The train step whose batch to print (0-based, as "
@@ -61,9 +59,7 @@ def main(argv):
     data = data_lib.make_data(config)
     position, batch = data.position(_STEP.value), data.global_batch(_STEP.value)
   print("\n".join(describe(position, batch, _ROWS.value, _TOKENS.value)))
-  folder = os.path.join(_WORKDIR.value, "checkpoints")
-  saved = [int(d) for d in os.listdir(folder) if d.isdigit()] if os.path.isdir(folder) else []
-  newest = max(saved, default=None)
+  newest = checkpoints.newest_step(_WORKDIR.value)
   if newest is not None and _STEP.value >= newest:
     print(f"(the run's newest checkpoint is at step {newest}: it has not trained step "
           f"{_STEP.value} yet)")

@@ -10,6 +10,9 @@ which kind of mistake:
                    argument that is not a flag;
   1 (USER_ERROR)   it parses but asks for something invalid: `main` raised a `UserError` (a
                    config value, a file, the data), or an absl `UsageError` (its `exitcode`).
+  130 (INTERRUPTED) Ctrl-C stopped a run cleanly (`Interrupted`: its one line, no "error").
+
+With several processes, the line of a process other than 0 names it: `PROGRAM [process I/N]`.
 
 Any other exception is the program's bug and keeps its traceback.
 
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import os
+import shlex
 import sys
 from typing import Any, Callable, NoReturn
 
@@ -29,9 +33,11 @@ import ml_collections
 from absl import app, flags
 
 from launch import settings
-from launch.errors import UserError
+from launch.errors import Interrupted, UserError
 
-USER_ERROR, FLAG_MISUSE = 1, settings.FLAG_MISUSE
+USER_ERROR, FLAG_MISUSE, INTERRUPTED = 1, settings.FLAG_MISUSE, 130
+# (index, count) of this process once jax.distributed started (`set_process`).
+_PROCESS = (0, 1)
 
 
 class ConfigFlag:
@@ -101,15 +107,36 @@ def define_config(name: str, default: str | None, help_text: str) -> ConfigFlag:
   return holder
 
 
-def _program() -> str:
-  """`launch.train` for `python -m launch.train`."""
+def runnable(program: str, *args: str) -> str:
+  """A command line to print for the operator that runs as typed from where the command was
+  started: `program` ('python' or a console script such as 'tensorboard') from this
+  interpreter's own bin folder (the venv's: `.venv/bin/python` from the checkout), then
+  `args`, quoted for a shell."""
+  folder = os.path.dirname(sys.executable)
+  relative = os.path.relpath(folder)
+  folder = relative if not relative.startswith("..") else folder
+  return " ".join([os.path.join(folder, program), *map(shlex.quote, args)])
+
+
+def set_process(index: int, count: int) -> None:
+  """Names this process in its one-line errors (the entry point calls it once jax.distributed
+  started)."""
+  global _PROCESS
+  _PROCESS = (index, count)
+
+
+def program() -> str:
+  """`launch.train` for `python -m launch.train` (`launch.train [process 1/32]` on another
+  process than 0)."""
   spec = getattr(sys.modules["__main__"], "__spec__", None)
-  return spec.name if spec else os.path.basename(sys.argv[0])
+  name = spec.name if spec else os.path.basename(sys.argv[0])
+  index, count = _PROCESS
+  return f"{name} [process {index}/{count}]" if index else name
 
 
 def fail(message: str, status: int) -> NoReturn:
   """Ends the program: `PROGRAM: error: MESSAGE` on stderr in one line, exit status `status`."""
-  sys.stderr.write(f"{_program()}: error: {' '.join(message.split())}\n")
+  sys.stderr.write(f"{program()}: error: {' '.join(message.split())}\n")
   sys.exit(status)
 
 
@@ -150,6 +177,10 @@ def one_line_errors(main: Callable[[list[str]], Any]) -> Callable[[list[str]], A
       return main(argv)
     except UserError as e:
       fail(str(e), USER_ERROR)
+    except Interrupted as e:
+      if _PROCESS[0] == 0:
+        print(e, flush=True)
+      sys.exit(INTERRUPTED)
     except app.UsageError as e:
       fail(str(e), e.exitcode)
   return run_main

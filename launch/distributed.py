@@ -1,14 +1,39 @@
-"""Starting `jax.distributed` for `launch.train`: from flags, or from the cluster environment."""
+"""Starting `jax.distributed` for `launch.train`: from flags, or from the cluster environment;
+and ending the run in one line when a process is lost.
+
+A process that the others can no longer reach (killed, its host lost) would leave them waiting
+in their next collective until jax's coordination service notices its missing heartbeats and
+aborts every process with a native stack dump. `Watchdog` decides first: each process
+publishes a counter in the service's key-value store every second, and a process whose
+counter has not moved for `heartbeat_timeout_s` (or a service that stops answering: process 0
+holds it) is lost; the watchdog then calls `on_lost`, which ends the process with one line.
+jax's own heartbeat timeout is set well beyond it.
+"""
 from __future__ import annotations
 
+import os
+import sys
+import threading
+import time
 from typing import Callable
 
 import jax
 from absl import app, logging
+from jax._src import distributed as jax_distributed
+
+_KEY = "moe_hk/heartbeat/{}"
+
+
+def jax_heartbeat_timeout_s(heartbeat_timeout_s: int) -> int:
+  """jax's coordination-service timeout for a run whose watchdog waits `heartbeat_timeout_s`:
+  far enough beyond it (the service may act after half its timeout) that the watchdog's one
+  line comes first."""
+  return 3 * heartbeat_timeout_s + 10
 
 
 def initialize_distributed(coordinator: str | None, num_processes: int | None,
-                           process_id: int | None, platforms: str,
+                           process_id: int | None, platforms: str, *,
+                           heartbeat_timeout_s: int = 100,
                            initialize: Callable[..., None] = jax.distributed.initialize) -> None:
   """Starts `jax.distributed`: from the three flags when given (all or none); else, unless
   the run is on CPU (`platforms` = JAX_PLATFORMS), from the environment JAX detects (Cloud
@@ -19,12 +44,77 @@ def initialize_distributed(coordinator: str | None, num_processes: int | None,
   if given and len(given) != 3:
     raise app.UsageError("multi-process runs need --coordinator_address, --num_processes and "
                          f"--process_id together; got only {', '.join('--' + g for g in given)}.")
+  timeout = dict(heartbeat_timeout_seconds=jax_heartbeat_timeout_s(heartbeat_timeout_s))
   if given:
     if not 0 <= process_id < num_processes:
       raise app.UsageError(f"--process_id={process_id} must be in [0, {num_processes}).")
-    initialize(coordinator, num_processes, process_id)
+    initialize(coordinator, num_processes, process_id, **timeout)
   elif platforms != "cpu":
     try:
-      initialize()
+      initialize(**timeout)
     except ValueError as e:  # no cluster environment found: one process
       logging.info("jax.distributed not initialised (%s): running as a single process.", e)
+
+
+class Watchdog:
+  """Ends this process, through `on_lost(processes)`, when another process of the run stops
+  publishing its heartbeat for `timeout_s` (the module docstring). `store` is the
+  coordination service's client (`key_value_set`, `key_value_try_get`)."""
+
+  def __init__(self, store, process: int, processes: int, timeout_s: float,
+               on_lost: Callable[[list[int]], None], period_s: float = 1.0):
+    self.store, self.process, self.processes = store, process, processes
+    self.timeout_s, self.on_lost, self.period_s = timeout_s, on_lost, period_s
+    now = time.monotonic()
+    self._seen = {p: (None, now) for p in range(processes) if p != process}
+    self._beat = 0
+    self._answered = now  # when the service last answered
+
+  def start(self) -> "Watchdog":
+    threading.Thread(target=self._run, name="moe-hk-watchdog", daemon=True).start()
+    return self
+
+  def check(self, now: float) -> list[int]:
+    """Publishes this process's heartbeat and reads the others'; returns the processes lost
+    by `now` (process 0 when the service, which process 0 holds, stopped answering)."""
+    try:
+      self._beat += 1
+      self.store.key_value_set(_KEY.format(self.process), str(self._beat), allow_overwrite=True)
+      for p, (value, since) in self._seen.items():
+        try:
+          current = self.store.key_value_try_get(_KEY.format(p))
+        except Exception:  # noqa: BLE001  (not published yet: the process is starting)
+          current = value
+        if current != value:
+          self._seen[p] = (current, now)
+      self._answered = now
+    except Exception:  # noqa: BLE001  (the service itself is gone)
+      return [0] if now - self._answered > self.timeout_s else []
+    return [p for p, (_, since) in self._seen.items() if now - since > self.timeout_s]
+
+  def _run(self) -> None:
+    while True:
+      lost = self.check(time.monotonic())
+      if lost:
+        self.on_lost(lost)
+        return
+      time.sleep(self.period_s)
+
+
+def watch(timeout_s: float, on_lost: Callable[[list[int]], None]) -> Watchdog | None:
+  """Starts this process's `Watchdog` when the run has several processes (None otherwise).
+  The service's client is jax's own (`jax._src.distributed`: jax exposes no key-value API)."""
+  if jax.process_count() == 1:
+    return None
+  client = jax_distributed.global_state.client  # noqa: SLF001
+  return Watchdog(client, jax.process_index(), jax.process_count(), timeout_s, on_lost).start()
+
+
+def quiet_native_stdout() -> None:
+  """Sends what native libraries print to the C-level stdout (gloo's `[Gloo] Rank ...` lines,
+  a dozen a process) to /dev/null; Python's own `print`s keep the console."""
+  sys.stdout.flush()
+  console = os.dup(1)
+  with open(os.devnull, "w") as devnull:
+    os.dup2(devnull.fileno(), 1)
+  sys.stdout = os.fdopen(console, "w", buffering=1)

@@ -14,6 +14,13 @@ class UserError(ValueError):
   """A user's mistake; the message names the flag or field, the value and what is valid."""
 
 
+class Interrupted(Exception):
+  """The operator stopped the run with Ctrl-C; it stopped cleanly (a checkpoint of its last
+  step). The entry point exits with status 130 (128 + SIGINT), as an interrupted command
+  does, so that a script does not go on as if the run had finished; its message is the
+  console's last line."""
+
+
 @contextlib.contextmanager
 def user_errors() -> Iterator[None]:
   """Turns the ValueErrors raised inside into UserErrors: for checks of what the user asked

@@ -173,6 +173,16 @@ def cpu_devices(config: ml_collections.ConfigDict) -> int:
   return n
 
 
+def heartbeat_timeout_s(config: ml_collections.ConfigDict) -> int:
+  """`config.heartbeat_timeout_s`: after this long without a heartbeat from a process, the
+  others end the run (launch.distributed)."""
+  seconds = config.heartbeat_timeout_s
+  if not isinstance(seconds, int) or isinstance(seconds, bool) or seconds < 1:
+    raise UserError(f"config.heartbeat_timeout_s={seconds!r} must be an integer >= 1 (seconds "
+                    "without a heartbeat before a process counts as lost).")
+  return seconds
+
+
 def build(config: ml_collections.ConfigDict, devices: int,
           mesh: Mapping[str, int] | None = None) -> Settings:
   """Checks `config` for a run on `devices` devices and builds its `MoEConfig`; `mesh` (axis

@@ -9,13 +9,15 @@ environment; elsewhere (several CPU processes on one machine over gloo) pass
 `--coordinator_address=HOST:PORT --num_processes=N --process_id=I`. A mistake in the flags or
 the config stops it before anything compiles, in one line (launch.cli).
 """
+import functools
 import os
+import sys
 
 import jax
 from absl import flags, logging
 
 from launch import cli, distributed, platform, settings as settings_lib
-from launch.training import trainer
+from launch.training import checkpoints, trainer
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Where checkpoints, TensorBoard events and "
                                "alerts.jsonl go; an existing run there is resumed. Required, "
@@ -31,20 +33,43 @@ flags.register_multi_flags_validator(
     "--workdir is required: the run's directory (checkpoints, events, alerts.jsonl).")
 
 
+def _lost(workdir: str, timeout_s: int, processes: list[int]) -> None:
+  """Another process stopped answering: one line naming it and the checkpoint to resume
+  from, then exit status 1 (the others cannot go on: every step needs every process)."""
+  who = f"process{'es' if len(processes) > 1 else ''} {', '.join(map(str, processes))}"
+  newest = checkpoints.newest_step(workdir)
+  resume = (f"the newest checkpoint is step {newest} in {workdir}/checkpoints: rerun every "
+            "process's command to resume from it" if newest is not None else
+            "no checkpoint was written yet: rerun every process's command to start again")
+  sys.stderr.write(f"{cli.program()}: error: {who} of {jax.process_count()} stopped answering "
+                   f"(no heartbeat for config.heartbeat_timeout_s={timeout_s} s); {resume}.\n")
+  sys.stderr.flush()
+  os._exit(cli.USER_ERROR)
+
+
 def main(argv):
   del argv  # launch.cli refuses arguments that are not flags
   config = _CONFIG.value
-  if not flags.FLAGS["verbosity"].present:
+  quiet = not flags.FLAGS["verbosity"].present
+  if quiet:
     # The console is the trainer's own lines and warnings; libraries' INFO (orbax writes
     # dozens of lines a checkpoint, TensorFlow's C++ log a few at import) only with
-    # --verbosity=1.
+    # --verbosity=1. TensorFlow only writes the event files: its oneDNN kernels (and their
+    # start-up notice) are not needed.
     logging.set_verbosity(logging.WARNING)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
+    os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
   platforms = platform.setup(settings_lib.cpu_devices(config))
-  distributed.initialize_distributed(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
-                                     platforms)
-  if jax.process_index() == 0:
-    print(platform.describe(), flush=True)
+  if quiet and _NUM_PROCESSES.value:
+    distributed.quiet_native_stdout()  # gloo's rank lines
+  timeout = settings_lib.heartbeat_timeout_s(config)
+  distributed.initialize_distributed(_COORDINATOR.value, _NUM_PROCESSES.value,
+                                     _PROCESS_ID.value, platforms, heartbeat_timeout_s=timeout)
+  cli.set_process(jax.process_index(), jax.process_count())
+  distributed.watch(timeout, functools.partial(_lost, os.path.abspath(_WORKDIR.value), timeout))
+  processes = jax.process_count()
+  print(("" if processes == 1 else f"process {jax.process_index()}/{processes}: ") +
+        platform.describe(), flush=True)
   trainer.train_and_evaluate(settings_lib.build(config, jax.device_count()), _WORKDIR.value)
 
 

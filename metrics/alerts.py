@@ -15,8 +15,8 @@ Rules:
   loss_spike             the trainer skipped a step whose loss or gradient norm spiked above its
                          recent window (`loss_spike`)
 
-The two skip alerts carry the step's `data_position` (where its batch came from, for
-`python -m launch.batch`).
+The two skip alerts carry the step's `data_position` (where its batch came from) and, from the
+trainer, the `launch.batch` command that prints it.
 
 Each overflow alert names the step, the layers, for each layer the receiving expert shards
 whose buffer overflowed and the three hottest experts, since when the condition holds, how
@@ -84,8 +84,9 @@ class AlertManager:
 
   def __init__(self, *, worst_case_factor: float, workdir: str | None = None,
                callback: Callable[[Alert], None] | None = None,
-               config: AlertConfig = AlertConfig()):
+               config: AlertConfig = AlertConfig(), log: bool = True):
     self.worst_case_factor = worst_case_factor
+    self.log = log  # send to absl logging (a trainer's processes other than 0 do not)
     self.config = config
     self.callback = callback
     self.path = os.path.join(workdir, ALERTS_FILE) if workdir else None
@@ -162,20 +163,20 @@ class AlertManager:
     return alert
 
   def nonfinite_step(self, step: int, loss: float, grad_norm: float,
-                     data_position: dict | None = None) -> Alert | None:
+                     data_position: dict | None = None, batch_command: str = "") -> Alert | None:
     """`nonfinite_step`: the train step's loss or gradient norm was not finite, so the
-    trainer skipped its update (rate-limited like the rules)."""
+    trainer skipped its update (rate-limited like the rules); `batch_command` prints the
+    step's batch (`launch.batch`)."""
     message = (f"Non-finite train step [{NONFINITE_STEP_RULE}] at step {step}: loss {loss:g}, "
                f"gradient norm {grad_norm:g}; the update was skipped (params and optimizer "
                "state unchanged). Look for nonfinite_router_input alerts, the data of this "
-               f"step (python -m launch.batch --workdir=WORKDIR --step={step}) and the "
-               "learning rate.")
+               f"step{f' ({batch_command})' if batch_command else ''} and the learning rate.")
     return self._skipped(NONFINITE_STEP_RULE, step, message,
                          {"loss": loss, "grad_norm": grad_norm, "data_position": data_position})
 
   def loss_spike(self, step: int, loss: float, grad_norm: float, mean: tuple[float, float],
                  std: tuple[float, float], sigma: float, window: int,
-                 data_position: dict | None = None) -> Alert | None:
+                 data_position: dict | None = None, batch_command: str = "") -> Alert | None:
     """`loss_spike`: the step's loss or gradient norm was more than `sigma` deviations above
     the mean of its window (`mean`, `std`: (loss, gradient norm)); its update was skipped."""
     spiked = [f"{name} {value:.4g} (window mean {m:.4g}, deviation {d:.3g}, "
@@ -185,8 +186,8 @@ class AlertManager:
               if value > m + sigma * d]
     message = (f"Train step spike [{SPIKE_RULE}] at step {step}: {'; '.join(spiked)} above "
                f"{sigma:g} sigma of the last {window} applied steps; the update was skipped "
-               "(params and optimizer state unchanged). Its batch: python -m launch.batch "
-               f"--workdir=WORKDIR --step={step}.")
+               "(params and optimizer state unchanged)." +
+               (f" Its batch: {batch_command}." if batch_command else ""))
     return self._skipped(SPIKE_RULE, step, message, {
         "loss": loss, "grad_norm": grad_norm, "window_mean": list(mean),
         "window_std": list(std), "sigma": sigma, "data_position": data_position})
@@ -266,7 +267,8 @@ class AlertManager:
                  message=message, details={"nonfinite_tokens": counts})
 
   def _send(self, alert: Alert) -> None:
-    logging.warning(alert.message)
+    if self.log:
+      logging.warning(alert.message)
     if self.path:
       with open(self.path, "a") as f:
         f.write(json.dumps(alert._asdict()) + "\n")

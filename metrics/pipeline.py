@@ -36,14 +36,18 @@ class MoEMetrics:
                alert_config: AlertConfig = AlertConfig(),
                alert_callback: Callable[[Alert], None] | None = None,
                hparams: Mapping[str, Any] | None = None, asynchronous: bool = True,
-               flush_on_sigterm: bool = True, writer: MoEMetricsWriter | None = None):
+               flush_on_sigterm: bool = True, writer: MoEMetricsWriter | None = None,
+               alert_sinks: bool = True):
     self.aggregator = Aggregator(window=window, advice=AdviceSettings(
         worst_case_factor, max_fallback_frequency, target_fallback_frequency))
     # A writer passed in belongs to the caller, who closes it; otherwise one of its own.
     self._owns_writer = writer is None
     self.writer = MoEMetricsWriter(workdir, asynchronous=asynchronous) if writer is None else writer
-    self.alerts = AlertManager(worst_case_factor=worst_case_factor, workdir=workdir,
-                               callback=alert_callback, config=alert_config)
+    # alert_sinks=False (a multi-process run's processes other than 0): the rules still run,
+    # but nothing is logged or written.
+    self.alerts = AlertManager(worst_case_factor=worst_case_factor,
+                               workdir=workdir if alert_sinks else None,
+                               callback=alert_callback, config=alert_config, log=alert_sinks)
     if hparams:
       self.writer.write_hparams(hparams)
     if flush_on_sigterm:

@@ -36,7 +36,7 @@ jax.config.update("jax_default_matmul_precision", "highest")
 # `item._nodeid`, which pytest 9 no longer reads), so the groups are declared here.
 WORKER_GROUPS = (
     # The SIGTERM test shares neither the step cache nor the baseline run: it goes to either.
-    (r"tests/test_launch\.py::(?!test_sigterm_)", "launch"),
+    (r"tests/test_launch\.py::(?!test_a_stop_signal_)", "launch"),
     (r"tests/test_metrics_tensorboard\.py::", "metrics_tensorboard"),
     # One worker for both platforms: run side by side, libtpu's compiler threads and XLA:CPU's
     # compile slow each other down more than running one after the other.

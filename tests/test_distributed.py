@@ -2,44 +2,47 @@
 import pytest
 from absl import app
 
-from launch.distributed import initialize_distributed
+from launch.distributed import Watchdog, initialize_distributed, jax_heartbeat_timeout_s
 
 
 class _Recorder:
-  """Stands in for `jax.distributed.initialize`: records its calls, may raise like it."""
+  """Stands in for `jax.distributed.initialize`: records its calls (the heartbeat timeout
+  apart), may raise like it."""
 
   def __init__(self, error: Exception | None = None):
-    self.calls, self.error = [], error
+    self.calls, self.error, self.timeouts = [], error, []
 
-  def __call__(self, *args):
+  def __call__(self, *args, heartbeat_timeout_seconds):
     self.calls.append(args)
+    self.timeouts.append(heartbeat_timeout_seconds)
     if self.error is not None:
       raise self.error
 
 
 def test_flags_initialise_explicitly_on_any_platform():
   init = _Recorder()
-  initialize_distributed("10.0.0.1:1234", 4, 3, "cpu", init)
+  initialize_distributed("10.0.0.1:1234", 4, 3, "cpu", heartbeat_timeout_s=7, initialize=init)
   assert init.calls == [("10.0.0.1:1234", 4, 3)]
+  assert init.timeouts == [jax_heartbeat_timeout_s(7)]  # the watchdog decides first
 
 
 @pytest.mark.parametrize("platforms", ["tpu", "", "cuda"])
 def test_accelerator_runs_auto_detect_the_cluster(platforms):
   """On a Cloud TPU VM (or a SLURM/MPI/Kubernetes cluster), no flags: JAX reads the slice."""
   init = _Recorder()
-  initialize_distributed(None, None, None, platforms, init)
+  initialize_distributed(None, None, None, platforms, initialize=init)
   assert init.calls == [()]
 
 
 def test_no_cluster_found_stays_one_process():
   init = _Recorder(ValueError("coordinator_address should be defined."))
-  initialize_distributed(None, None, None, "tpu", init)  # does not raise
+  initialize_distributed(None, None, None, "tpu", initialize=init)  # does not raise
   assert init.calls == [()]
 
 
 def test_cpu_without_flags_does_not_initialise():
   init = _Recorder()
-  initialize_distributed(None, None, None, "cpu", init)
+  initialize_distributed(None, None, None, "cpu", initialize=init)
   assert init.calls == []
 
 
@@ -50,5 +53,54 @@ def test_cpu_without_flags_does_not_initialise():
 def test_partial_or_bad_flags_are_usage_errors(flags, message):
   init = _Recorder()
   with pytest.raises(app.UsageError, match=message):
-    initialize_distributed(*flags, "cpu", init)
+    initialize_distributed(*flags, "cpu", initialize=init)
   assert init.calls == []
+
+
+class _Store:
+  """Stands in for the coordination service's key-value store; `down` makes it fail."""
+
+  def __init__(self):
+    self.values, self.down = {}, False
+
+  def key_value_set(self, key, value, allow_overwrite=False):
+    if self.down:
+      raise RuntimeError("UNAVAILABLE")
+    self.values[key] = value
+
+  def key_value_try_get(self, key):
+    if self.down:
+      raise RuntimeError("UNAVAILABLE")
+    if key not in self.values:
+      raise KeyError(key)
+    return self.values[key]
+
+
+def test_a_process_whose_heartbeat_stops_is_lost_after_the_timeout():
+  """Processes 0 and 2 of three keep publishing, process 1 stops at t=3: process 0's watchdog
+  reports it once its counter has not moved for 5 s, not before."""
+  store = _Store()
+  dogs = [Watchdog(store, p, 3, timeout_s=5.0, on_lost=None) for p in range(3)]
+  lost = {}
+  for t in range(12):
+    for p, dog in enumerate(dogs):
+      if p == 1 and t >= 3:
+        continue
+      found = dog.check(now=1000.0 + t)
+      if found:
+        lost.setdefault(p, (t, found))
+  # Process 1's last beat (at t=2) was read by process 2 at t=2 and by process 0, which checks
+  # before process 1 publishes, at t=3: each reports it more than 5 s later.
+  assert lost == {0: (9, [1]), 2: (8, [1])}
+
+
+def test_a_lost_coordinator_is_process_0():
+  store = _Store()
+  dog = Watchdog(store, 1, 2, timeout_s=5.0, on_lost=None)
+  assert dog.check(now=0.0) == []
+  store.down = True
+  assert dog.check(now=4.0) == [] and dog.check(now=5.5) == [0]
+
+
+def test_jax_waits_longer_than_the_watchdog():
+  assert jax_heartbeat_timeout_s(5) > 2 * 5 and jax_heartbeat_timeout_s(100) > 2 * 100

@@ -288,20 +288,35 @@ def test_bfloat16_compute_tracks_float32(baseline, tmp_path):
   assert np.max(np.abs(np.subtract(bf16, f32))) > 0
 
 
+def _started(proc, checkpoints, deadline_s=240) -> None:
+  """Waits for the run's first checkpoint (training is then under way), and a little more."""
+  deadline = time.time() + deadline_s
+  while not (checkpoints.exists() and os.listdir(checkpoints)) and time.time() < deadline:
+    assert proc.poll() is None, proc.communicate()[1][-3000:]
+    time.sleep(1)
+  time.sleep(3)
+
+
 @pytest.mark.slow
-def test_sigterm_checkpoints_the_current_step_and_the_run_resumes(tmp_path):
+@pytest.mark.parametrize("stop,status,notice", [
+    (signal.SIGTERM, 0, "SIGTERM: finishing the current step"),
+    # Ctrl-C: the same stop, exit status 130 (an interrupted command's) and the line that says so.
+    (signal.SIGINT, 130, "SIGINT (Ctrl-C): finishing the current step, then checkpointing "
+                         "(Ctrl-C again exits at once)")])
+def test_a_stop_signal_checkpoints_the_current_step_and_the_run_resumes(tmp_path, stop, status,
+                                                                        notice):
   proc = launch(tmp_path, "--config.train_steps=1000", "--config.checkpoint_every=500")
   checkpoints = tmp_path / "checkpoints"
-  deadline = time.time() + 240
-  while not (checkpoints.exists() and os.listdir(checkpoints)) and time.time() < deadline:
-    time.sleep(1)  # the first step's checkpoint: training is under way
-  time.sleep(3)
-  proc.send_signal(signal.SIGTERM)
+  _started(proc, checkpoints)
+  proc.send_signal(stop)
   stdout, stderr = proc.communicate(timeout=120)
-  assert proc.returncode == 0, stderr[-3000:]
-  assert "SIGTERM: finishing the current step" in stderr
+  assert proc.returncode == status, stderr[-3000:]
+  assert notice in stderr and "Traceback" not in stderr
   saved = max(int(s) for s in os.listdir(checkpoints) if s.isdigit())
   assert 1 < saved < 1000
+  if stop == signal.SIGINT:
+    assert stdout.splitlines()[-1] == (f"stopped by Ctrl-C after step {saved} with a checkpoint; "
+                                       "the same command resumes.")
   # The last progress line is the stopping interval's: no ETA (the run does not go on), and
   # no speed unless it ended at a boundary (an eval every 4 steps, a log every 10).
   lines = stdout.splitlines()
@@ -313,10 +328,49 @@ def test_sigterm_checkpoints_the_current_step_and_the_run_resumes(tmp_path):
   # The resumed steps, and the steps before the stop, equal an uninterrupted run's.
   config = tiny_config(train_steps=1000, checkpoint_every=500)
   resumed = trainer.train_and_evaluate(settings_of(config), str(tmp_path), stop_after=saved + 2)
-  straight = trainer.train_and_evaluate(settings_of(config), str(tmp_path / "straight"), stop_after=saved + 2)
+  straight = trainer.train_and_evaluate(settings_of(config), str(tmp_path / "straight"),
+                                       stop_after=saved + 2)
   np.testing.assert_allclose(resumed, straight[saved:], rtol=1e-6)
   np.testing.assert_allclose([scalars["train/loss"][s] for s in range(saved)],
                              straight[:saved], rtol=1e-6)
+
+
+def test_a_second_ctrl_c_exits_at_once(monkeypatch, capsys):
+  """The first Ctrl-C asks for a stop (the loop reads it at the next step); a second one
+  ends the process at once, exit status 130, in one line. What it leaves on disk is what any
+  abrupt exit leaves: orbax moves a checkpoint into place only once whole, so the newest
+  complete one restores (an abrupt kill mid-run: the lost-process test below resumes)."""
+  exits = []
+  monkeypatch.setattr(trainer.os, "_exit", exits.append)
+  stop = trainer._Stop()
+  try:
+    stop._handle(signal.SIGINT, None)
+    assert stop.should_stop() and stop.interrupted and exits == []
+    stop._handle(signal.SIGINT, None)
+    assert exits == [130]
+    assert capsys.readouterr().err == (
+        "second Ctrl-C: exiting now, without a checkpoint of this step (the newest complete "
+        "checkpoint stays as it is).\n")
+  finally:
+    stop.restore()
+  assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # pytest's again
+
+
+def _alerts(workdir) -> list[tuple]:
+  """(step, rule, layers) of each line of `workdir/alerts.jsonl`."""
+  path = os.path.join(workdir, "alerts.jsonl")
+  if not os.path.exists(path):
+    return []
+  with open(path) as f:
+    return [(a["step"], a["rule"], a["layers"]) for a in map(json.loads, f)]
+
+
+def _two_processes(workdir, *flags, port=None):
+  """Processes 0 and 1 of a 2 x 4-device run of the tests' tiny config at FACTOR."""
+  port = port or free_port()
+  return [launch(workdir, f"--process_id={i}", f"--config.moe.ragged_buffer_factor={FACTOR}",
+                 "--num_processes=2", f"--coordinator_address=127.0.0.1:{port}", *flags,
+                 devices=4) for i in range(2)]
 
 
 @pytest.mark.slow
@@ -324,18 +378,53 @@ def test_two_processes_over_gloo_match_one_process(baseline, tmp_path):
   """2 processes x 4 CPU devices on loopback (jax.distributed, gloo collectives) train the
   same 8-device mesh as one process and give the same losses. Three steps: the learning rate
   of steps 0 and 1 is the warmup's whatever train_steps is, so the first three losses are the
-  8-step baseline's."""
-  port = free_port()
-  procs = [launch(tmp_path / "two", "--config.train_steps=3", f"--process_id={i}",
-                  f"--config.moe.ragged_buffer_factor={FACTOR}", "--num_processes=2",
-                  f"--coordinator_address=127.0.0.1:{port}", devices=4)
-           for i in range(2)]
-  for p in procs:
-    _, stderr = p.communicate(timeout=600)
+  8-step baseline's. Process 0 alone writes the alerts (the one-process run's, no more) and
+  the console's progress; process 1 prints its platform line and nothing else; neither
+  prints gloo's rank lines."""
+  procs = _two_processes(tmp_path / "two", "--config.train_steps=3")
+  outputs = [p.communicate(timeout=600) for p in procs]
+  for p, (_, stderr) in zip(procs, outputs):
     assert p.returncode == 0, stderr[-3000:]
   two = read_scalars(str(tmp_path / "two"))["train/loss"]
   np.testing.assert_allclose([two[s] for s in range(3)], baseline.losses[:3], rtol=1e-5)
   assert sorted(os.listdir(tmp_path / "two" / "checkpoints"))[-1] == "3"
+  assert _alerts(tmp_path / "two") == [a for a in _alerts(baseline.workdir) if a[0] < 3]
+  (out0, err0), (out1, err1) = outputs
+  assert "step 3/3 | loss" in out0 and out0.startswith("process 0/2: platform cpu: 8 devices")
+  assert out1.strip() == "process 1/2: platform cpu: 8 devices, 4 local, 2 processes", out1
+  assert "alerts.py" not in err1 and "MoE overflow" not in err1, err1[-2000:]
+  for output in (out0, err0, out1, err1):
+    assert "[Gloo]" not in output
+
+
+@pytest.mark.slow
+def test_a_lost_process_ends_the_run_in_one_line_and_the_rerun_resumes(baseline, tmp_path):
+  """kill -9 of process 1 after a checkpoint: process 0 ends within the heartbeat timeout (5 s
+  here) and a margin, exit status 1, one line naming the lost process and the newest
+  checkpoint; the same two commands resume from it, with the uninterrupted run's losses."""
+  workdir = tmp_path / "lost"
+  flags = ("--config.train_steps=8", "--config.checkpoint_every=2",
+           "--config.heartbeat_timeout_s=5")
+  first = _two_processes(workdir, *flags)
+  _started(first[0], workdir / "checkpoints", deadline_s=300)
+  first[1].kill()
+  lost_at = time.time()
+  _, stderr = first[0].communicate(timeout=120)
+  took = time.time() - lost_at
+  first[1].communicate()
+  saved = max(int(s) for s in os.listdir(workdir / "checkpoints") if s.isdigit())
+  assert first[0].returncode == 1 and took < 5 + 40, (first[0].returncode, took, stderr[-2000:])
+  assert stderr.splitlines()[-1] == (
+      f"launch.train: error: process 1 of 2 stopped answering (no heartbeat for "
+      f"config.heartbeat_timeout_s=5 s); the newest checkpoint is step {saved} in {workdir}/"
+      "checkpoints: rerun every process's command to resume from it.")
+  assert "Traceback" not in stderr and "Check failure" not in stderr
+  again = _two_processes(workdir, *flags)
+  for p in again:
+    _, err = p.communicate(timeout=600)
+    assert p.returncode == 0, err[-3000:]
+  losses = read_scalars(str(workdir))["train/loss"]
+  np.testing.assert_allclose([losses[s] for s in range(8)], baseline.losses, rtol=1e-5)
 
 
 # Bad values: the message each check gives, in this process (the two command-line cases below
@@ -503,8 +592,12 @@ def test_console_reports_compile_progress_and_a_summary(baseline):
                       r"skipped 0 non-finite steps", done), done
   with open(os.path.join(baseline.workdir, "alerts.jsonl")) as f:
     alerts = len(f.readlines())
+  # TensorBoard's command runs as typed: the venv's own tensorboard (.venv/bin/tensorboard
+  # from the checkout).
+  tensorboard = os.path.join(os.path.relpath(os.path.dirname(sys.executable)), "tensorboard")
+  assert os.access(tensorboard, os.X_OK)
   assert where == (f"alerts: {alerts} new in {baseline.workdir}/alerts.jsonl | TensorBoard: "
-                   f"tensorboard --logdir {baseline.workdir} | checkpoints: "
+                   f"{tensorboard} --logdir {baseline.workdir} | checkpoints: "
                    f"{baseline.workdir}/checkpoints (step 8)")
 
 

@@ -10,6 +10,10 @@ def get_config() -> ml_collections.ConfigDict:
   # JAX_PLATFORMS=cpu); the mesh must fit them. A --xla_force_host_platform_device_count in
   # XLA_FLAGS wins. Ignored on TPU/GPU.
   c.cpu_devices = 8
+  # Multi-process runs: after this many seconds without a heartbeat from a process (killed, its
+  # host lost) the others end the run in one line naming it and the newest checkpoint. jax's
+  # default, 100 s, suits a TPU slice (a host busy compiling still sends heartbeats).
+  c.heartbeat_timeout_s = 100
   # Model.
   c.vocab_size = 256          # bytes
   c.emb_dim = 128

@@ -4,14 +4,17 @@ A checkpoint holds the train state, the data iterator's state, the MoE metrics' 
 windows and the autopilot's state, in `WORKDIR/checkpoints/<step>`. On restore the newest
 checkpoint that reads wins: newer ones that do not read (a truncated array file, garbage JSON)
 are moved aside to `checkpoints/corrupt-<step>` (never deleted), each with one warning line, so
-a restart resumes by itself. When none reads, nothing moves and the run stops with one line
+a restart resumes by itself, and nothing else about it reaches the console (the failed reads'
+late callbacks: `_drop_late_reads`). When none reads, nothing moves and the run stops with one line
 naming the folder. A save that fails (disk full, read-only folder) stops the run with one line;
 orbax writes each checkpoint to a temporary folder and renames it when complete, so the
 previous checkpoint stays intact.
 """
 from __future__ import annotations
 
+import logging as logging_lib
 import os
+import sys
 from typing import Any, NamedTuple
 
 import jax
@@ -20,6 +23,15 @@ from absl import logging
 from jax.experimental import multihost_utils
 
 from launch.errors import UserError
+
+
+def newest_step(workdir: str) -> int | None:
+  """The newest complete checkpoint's step in `workdir/checkpoints` (orbax renames a
+  checkpoint to its step only when it is complete), read from the folder names alone."""
+  folder = os.path.join(workdir, "checkpoints")
+  steps = [int(name) for name in os.listdir(folder) if name.isdigit()] if os.path.isdir(
+      folder) else []
+  return max(steps, default=None)
 
 
 class Restored(NamedTuple):
@@ -36,6 +48,44 @@ def _reason(error: Exception) -> str:
   text = str(error).strip().splitlines()
   first = text[0] if text else ""
   return f"{type(error).__name__}: {first[:200]}"
+
+
+def _late_read(unraisable) -> bool:
+  """Whether an unraisable exception comes from a failed restore's reads: a callback that
+  finds orbax's asyncio loop closed, or a read coroutine of orbax's whose error nobody
+  awaited (the same unreadable file, already reported)."""
+  if (isinstance(unraisable.exc_value, RuntimeError) and
+      str(unraisable.exc_value) == "Event loop is closed"):
+    return True
+  code = getattr(unraisable.object, "cr_code", None)
+  return code is not None and f"{os.sep}orbax{os.sep}" in code.co_filename
+
+
+class _PendingTasks(logging_lib.Filter):
+  """asyncio's report of a task destroyed while pending (a failed restore's reads)."""
+
+  def filter(self, record: logging_lib.LogRecord) -> bool:
+    return not record.getMessage().startswith("Task was destroyed but it is pending")
+
+
+def _drop_late_reads() -> None:
+  """After a restore that failed: orbax read the checkpoint's arrays on an event loop that it
+  closed when the first read failed; the other reads, still under way in tensorstore, finish
+  later, failing on the same file or not, with nobody to take their results: their callbacks
+  find that loop closed (`RuntimeError: Event loop is closed`), their coroutines' errors are
+  never awaited (both printed as unraisable exceptions, hundreds of tracebacks for a large
+  state), and asyncio reports their tasks destroyed while pending. Those, and only those, are
+  dropped for the rest of the process: every other unraisable exception and asyncio error
+  still prints."""
+  previous = sys.unraisablehook
+  if getattr(previous, "drops_late_reads", False):
+    return
+  def hook(unraisable):
+    if not _late_read(unraisable):
+      previous(unraisable)
+  hook.drops_late_reads = True
+  sys.unraisablehook = hook
+  logging_lib.getLogger("asyncio").addFilter(_PendingTasks())
 
 
 class Checkpoints:
@@ -87,6 +137,7 @@ class Checkpoints:
             moe_metrics=ocp.args.JsonRestore(), autopilot=ocp.args.JsonRestore()))
       except Exception as e:  # what an unreadable checkpoint raises varies by what broke
         failed.append((step, _reason(e)))
+        _drop_late_reads()
         continue
       for bad, reason in failed:
         self._move_aside(bad, reason)
@@ -112,8 +163,9 @@ class Checkpoints:
       os.rename(source, target)
     if jax.process_count() > 1:
       multihost_utils.sync_global_devices(f"checkpoint {step} moved aside")
-    logging.warning("checkpoint %d does not read (%s): moved to %s; resuming from an older one.",
-                    step, reason, target)
+    if jax.process_index() == 0:
+      logging.warning("checkpoint %d does not read (%s): moved to %s; resuming from an older "
+                      "one.", step, reason, target)
 
   def close(self) -> None:
     self._manager.close()

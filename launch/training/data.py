@@ -30,11 +30,14 @@ from __future__ import annotations
 import copy
 import dataclasses
 import glob
+import json
 import os
 import sysconfig
 from typing import TYPE_CHECKING, Callable, Protocol
 
 import numpy as np
+
+from launch.errors import UserError
 
 # grain is imported only where it is used: `import grain` imports jax whenever jax is installed,
 # and importing this module, or reading the byte sources, should import neither.
@@ -282,11 +285,13 @@ class GrainData:
     self._step = 0
 
   def _checked(self, batch: np.ndarray) -> np.ndarray:
-    """`batch`, after checking every token id is in [0, vocab_size)."""
+    """`batch`, after checking every token id is in [0, vocab_size) (a `UserError`: the data
+    and the config disagree, whichever step finds it)."""
     bad = batch[(batch < 0) | (batch >= self.vocab_size)]
     if bad.size:
-      raise ValueError(f"token id {int(bad[0])} in the {self.source} data is outside "
-                       f"[0, vocab_size={self.vocab_size}) (config.vocab_size).")
+      raise UserError(f"token id {int(bad[0])} in the {self.source} data is outside "
+                      f"[0, vocab_size={self.vocab_size}) (config.vocab_size): raise "
+                      "config.vocab_size to the tokenizer's vocabulary.")
     return batch
 
   def train_batch(self, step: int) -> np.ndarray:
@@ -326,6 +331,21 @@ class GrainData:
     self._step = state["step"]
 
 
+def _check_vocabulary(paths: list[str], vocab_size: int) -> None:
+  """UserError when `launch.prepare_data` wrote `paths` with a larger vocabulary than
+  `vocab_size` (its `prepare_data.json` beside them says)."""
+  for folder in sorted({os.path.dirname(p) for p in paths}):
+    metadata = os.path.join(folder, "prepare_data.json")
+    if not os.path.isfile(metadata):
+      continue
+    with open(metadata) as f:
+      prepared = json.load(f)
+    if prepared.get("vocab_size", 0) > vocab_size:
+      raise UserError(f"{folder} holds tokens of a vocabulary of {prepared['vocab_size']} ids "
+                      f"(tokenizer {prepared.get('tokenizer')}); config.vocab_size={vocab_size} "
+                      f"is smaller: pass --config.vocab_size={prepared['vocab_size']}.")
+
+
 def _matching_files(pattern: str, source: str) -> list[str]:
   """The files matching `pattern`, sorted."""
   if not pattern:
@@ -352,6 +372,8 @@ def make_data(config, *, process_index: int = 0, process_count: int = 1) -> Data
   else:  # 'files' or 'array_record' (launch.settings checked the source)
     paths = _matching_files(d.pattern, d.source)
     as_bytes = d.source == "files"
+    if not as_bytes:
+      _check_vocabulary(paths, config.vocab_size)
     stream = file_stream(paths) if as_bytes else array_record_stream(paths)
     return GrainData(stream, source=d.source,
                      what=f"config.data.pattern={d.pattern!r} ({len(paths)} file(s))",

@@ -63,11 +63,13 @@ class Reporter:
   def __init__(self, config, writer: metrics.MoEMetricsWriter, moe_metrics: metrics.MoEMetrics,
                speed: Speed, recorder: traffic.TrafficRecorder | None,
                pilot: autopilot.Autopilot | None, console: console_lib.Console,
-               pricing: autopilot.Pricing, position: Callable[[int], dict]):
+               pricing: autopilot.Pricing, position: Callable[[int], dict],
+               batch_command: Callable[[int], str]):
     self.config = config
     self.pricing = pricing
     self.speed = speed
-    self.position = position  # step -> where its batch came from (skip alerts)
+    # step -> where its batch came from, and the command that prints it (skip alerts).
+    self.position, self.batch_command = position, batch_command
     self._intervals: list[tuple[float, int, int, float]] = []  # clean: factor, steps, chunks, s
     self.writer = writer
     self.moe_metrics = moe_metrics
@@ -193,15 +195,16 @@ class Reporter:
     """The alerts of a step whose update was skipped, with where its batch came from."""
     if not (skipped or spike):
       return
-    alerts, position = self.moe_metrics.alerts, self.position(step)
+    alerts = self.moe_metrics.alerts
+    where = dict(data_position=self.position(step), batch_command=self.batch_command(step))
     loss, grad_norm = float(out["loss"]), float(out["grad_norm"])
     if skipped:
-      alerts.nonfinite_step(step, loss, grad_norm, data_position=position)
+      alerts.nonfinite_step(step, loss, grad_norm, **where)
     if spike:
       spikes = self.config.spikes
       alerts.loss_spike(step, loss, grad_norm, tuple(map(float, out["spike_mean"])),
                         tuple(map(float, out["spike_std"])), spikes.sigma, spikes.window,
-                        data_position=position)
+                        **where)
 
   def _timed_cleanly(self) -> bool:
     """Whether the interval just fetched timed its steps alone: it was not the first, nothing

@@ -10,8 +10,10 @@ outputs say whether it did). Works the same with one process or many (`jax.distr
 """
 from __future__ import annotations
 
+import functools
 import os
 import signal
+import sys
 import threading
 import time
 from typing import NamedTuple
@@ -24,9 +26,9 @@ from jax.experimental import multihost_utils
 
 import metrics
 import moe_hk
-from launch.errors import UserError, user_errors
+from launch.errors import Interrupted, UserError, user_errors
 from launch.planning import autopilot, programs, step_model
-from launch import settings as settings_lib
+from launch import cli, settings as settings_lib
 from launch.settings import Settings
 from launch.training import console as console_lib
 from launch.training import data as data_lib
@@ -52,27 +54,44 @@ def flat_hparams(config: ml_collections.ConfigDict) -> dict:
   return flat
 
 
-class _Preemption:
-  """Turns SIGTERM into a flag the loop reads after each step (all processes agree on it)."""
+class _Stop:
+  """SIGTERM and SIGINT (Ctrl-C) as a request the loop reads after each step, all processes
+  agreeing on it: the step finishes, is checkpointed and the run returns. A second SIGINT
+  ends the process at once (exit status 130): orbax renames a checkpoint into place only
+  once it is complete, so the newest complete one stays intact."""
 
   def __init__(self):
-    self.requested = False
-    self._previous = None
+    self.signal: int | None = None  # the first stop signal received
+    self._previous = {}
     if threading.current_thread() is threading.main_thread():
-      self._previous = signal.signal(signal.SIGTERM, self._handle)
+      for number in (signal.SIGTERM, signal.SIGINT):
+        self._previous[number] = signal.signal(number, self._handle)
 
   def _handle(self, signum, frame):
-    logging.warning("SIGTERM: finishing the current step, then checkpointing.")
-    self.requested = True
+    if self.signal is not None and signum == signal.SIGINT:
+      sys.stderr.write("second Ctrl-C: exiting now, without a checkpoint of this step (the "
+                       "newest complete checkpoint stays as it is).\n")
+      os._exit(130)
+    name = "SIGINT (Ctrl-C)" if signum == signal.SIGINT else "SIGTERM"
+    if jax.process_index() == 0:
+      logging.warning("%s: finishing the current step, then checkpointing%s.", name,
+                      " (Ctrl-C again exits at once)" if signum == signal.SIGINT else "")
+    self.signal = self.signal or signum
+
+  @property
+  def interrupted(self) -> bool:
+    """Whether the run was stopped by Ctrl-C (its exit status is then 130, not 0)."""
+    return self.signal == signal.SIGINT
 
   def should_stop(self) -> bool:
     if jax.process_count() == 1:
-      return self.requested
-    return bool(np.max(multihost_utils.process_allgather(np.int32(self.requested))))
+      return self.signal is not None
+    requested = np.int32(self.signal is not None)
+    return bool(np.max(multihost_utils.process_allgather(requested)))
 
   def restore(self) -> None:
-    if self._previous is not None:
-      signal.signal(signal.SIGTERM, self._previous)
+    for number, previous in self._previous.items():
+      signal.signal(number, previous)
 
 
 class _Run(NamedTuple):
@@ -179,7 +198,7 @@ class _Loop:
     self.moe_metrics = moe_metrics
     self.pilot = pilot
     self.stop_after = stop_after
-    self.preemption = _Preemption()
+    self.stop = _Stop()
     self.pending: list[Pending] = []
     self.first = int(state.step)
 
@@ -203,9 +222,9 @@ class _Loop:
     raise UserError(
         f"{skipped} steps in a row up to step {fetched} had a non-finite or spiking loss or "
         f"gradient norm (config.max_consecutive_nonfinite={limit}); they changed nothing, and "
-        f"the state is checkpointed at step {step + 1}: check the data (python -m launch.batch "
-        f"--workdir={self.run_.workdir} --step={fetched}) and the learning rate, then rerun "
-        "to resume.")
+        f"the state is checkpointed at step {step + 1}: check the data "
+        f"({_batch_command(self.run_.workdir, fetched)}) and the learning rate, then rerun to "
+        "resume.")
 
   def _batch(self, rows: np.ndarray) -> jax.Array:
     """This process's rows `[B / processes, S + 1]` of the global batch, on its devices."""
@@ -267,7 +286,7 @@ class _Loop:
     saving = self.run_.checkpoints.should_save(step + 1)
     boundary = evaluate or saving or (step + 1) % config.log_every == 0
     stopping = (self.stop_after is not None and step + 1 >= self.stop_after) or (
-        self.preemption.should_stop() if boundary or jax.process_count() == 1 else False)
+        self.stop.should_stop() if boundary or jax.process_count() == 1 else False)
     if boundary and not (evaluate or saving or stopping):
       deferred[:], self.pending = self.pending, []
     elif boundary or stopping:
@@ -296,7 +315,8 @@ def train_and_evaluate(settings: Settings, workdir: str, stop_after: int | None 
   `config.autopilot.enabled` the autopilot swaps in programs for other buffer factors at step
   boundaries. A user's mistake found before compiling (workdir, data) raises `UserError`, as
   do a failed checkpoint write and `config.max_consecutive_nonfinite` skipped steps in a row
-  (after a checkpoint).
+  (after a checkpoint). A run stopped by SIGTERM returns; one stopped by Ctrl-C (SIGINT) raises
+  `Interrupted` once its checkpoint is written (exit status 130).
   """
   run = _setup(settings, workdir)
   config, restored = settings.config, run.restored
@@ -313,6 +333,9 @@ def train_and_evaluate(settings: Settings, workdir: str, stop_after: int | None 
   _summary(run, loop.reporter, loop.first, time.perf_counter() - started,
            _alerts_written(workdir) - alerts_before)
   run.checkpoints.close()
+  if loop.stop.interrupted:
+    raise Interrupted(f"stopped by Ctrl-C after step {loop.first + len(loop.reporter.losses)} "
+                      "with a checkpoint; the same command resumes.")
   return loop.reporter.losses
 
 
@@ -329,7 +352,7 @@ def _train(run: _Run, state, stop_after: int | None) -> _Loop:
         workdir, worst_case_factor=worst, window=rule.window,
         max_fallback_frequency=rule.max_fallback_frequency,
         target_fallback_frequency=rule.target_fallback_frequency, writer=writer,
-        flush_on_sigterm=False) as moe_metrics:
+        flush_on_sigterm=False, alert_sinks=jax.process_index() == 0) as moe_metrics:
       writer.write_hparams(flat_hparams(settings.config))
       flops = step_model.step_flops(state.params, settings.config, layer)
       pricing = _pricing(settings, flops)
@@ -337,13 +360,13 @@ def _train(run: _Run, state, stop_after: int | None) -> _Loop:
       train, factor = _resume(run, moe_metrics, pilot)
       reporter = Reporter(settings.config, writer, moe_metrics, _speed(settings, flops),
                           _recorder(run, flops), pilot, run.console, pricing,
-                          run.data.position)
+                          run.data.position, functools.partial(_batch_command, workdir))
       loop = _Loop(run, state, reporter, moe_metrics, pilot, stop_after)
       try:
         loop.run(train, factor)
         run.checkpoints.wait()
       finally:
-        loop.preemption.restore()
+        loop.stop.restore()
   finally:
     if pilot is not None:
       pilot.cache.close()
@@ -366,6 +389,11 @@ def _resume(run: _Run, moe_metrics: metrics.MoEMetrics, pilot: autopilot.Autopil
     return pilot.cache.compile_now(pilot.factor).step, pilot.factor
   pilot.cache.add(autopilot.Program(factor, run.steps.train, None))
   return run.steps.train, factor
+
+
+def _batch_command(workdir: str, step: int) -> str:
+  """The command that prints step `step`'s batch (`launch.batch`)."""
+  return cli.runnable("python", "-m", "launch.batch", f"--workdir={workdir}", f"--step={step}")
 
 
 def _speed(settings: Settings, flops: step_model.StepFlops) -> Speed:
@@ -401,5 +429,5 @@ def _summary(run: _Run, reporter: Reporter, first: int, seconds: float, alerts: 
       f"steps | dropped {totals.dropped_rows} rows | skipped {totals.skipped} non-finite" +
       (f" and {totals.spikes} spiking steps" if run.settings.config.spikes.enabled else " steps"))
   console.line(f"alerts: {alerts} new in {os.path.join(run.workdir, ALERTS_FILE)} | "
-               f"TensorBoard: tensorboard --logdir {run.workdir} | checkpoints: "
+               f"TensorBoard: {cli.runnable('tensorboard', '--logdir', run.workdir)} | checkpoints: "
                f"{run.checkpoints.directory} (step {run.checkpoints.latest_step()})")
