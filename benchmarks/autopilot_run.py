@@ -91,13 +91,15 @@ def run(name: str, path: str, steps: int, from_step: int) -> dict:
 
 def predicted(workdir: str, factors: list[float],
               timed: dict[float, float] | None = None) -> dict[float, float]:
-  """The planner's relative step time per factor, from the run in `workdir` (scaled by the
-  `timed` capped steps, `launch.planning.replay.price`)."""
+  """The planner's relative step time per factor, from the run in `workdir` (its prices,
+  scaled by the `timed` capped steps: `launch.planning.replay.advise`)."""
   traffic = read_traffic(workdir)
-  results = replay.plan(traffic, factors)
-  if not replay.price(traffic, results, timed):
+  advice = replay.advise(traffic, max_frequency=1.0, target=0.01, factors=factors, timed=timed)
+  if advice.objective != "throughput":
     return {}
-  return {r["factor"]: r["relative_step_time"] for r in results}
+  current = replay.run_factor(traffic)
+  seconds = {c.factor: c.seconds for c in advice.candidates}
+  return {f: seconds[f] / seconds[current] for f in factors}
 
 
 def main():

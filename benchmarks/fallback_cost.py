@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +25,7 @@ import numpy as np
 
 import moe_hk
 from benchmarks import fallback_overhead, timing
-from launch import platform
+from launch import platform, results
 from moe_hk import dispatch_plan, fallback, routing
 
 SETTING = dict(num_experts=16, num_experts_per_tok=2, emb_dim=256, mlp_dim=512,
@@ -125,6 +124,7 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--rounds", type=int, default=7)
   parser.add_argument("--layers", type=int, default=2)
+  results.add_argument(parser, "fallback_cost")
   args = parser.parse_args()
   mesh = moe_hk.make_mesh(expert=SHARDS)
   factor = SETTING["ragged_buffer_factor"]
@@ -159,8 +159,9 @@ def main():
     for name, variant in names.items():
       s = summary[name]
       case["variants"][variant].update(s, ratio_over_ideal=s["ratio_median"] / case["ideal"])
-  print(json.dumps({"rounds": args.rounds, "layers": args.layers, "setting": SETTING,
-                    "tokens": [BATCH, SEQ], "shards": SHARDS, "cases": cases}, indent=2))
+  results.publish(args.results, {"rounds": args.rounds, "layers": args.layers,
+                                    "setting": SETTING, "tokens": [BATCH, SEQ], "shards": SHARDS,
+                                    "cases": cases})
   print(f"\nvalue-and-grad step, {args.layers} remat MoE layers, 8 CPU devices, "
         f"{args.rounds} interleaved rounds")
   print("| overflow | required factor | ideal | variant | chunks per layer | rows per chunk "

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import time
 
 import jax
@@ -26,7 +25,7 @@ import optax
 from jax.sharding import NamedSharding
 
 import moe_hk
-from launch import platform as launch_platform
+from launch import platform as launch_platform, results
 from launch.compiling import memory, topology
 from launch.compiling.variants import unrolled_chunks
 from moe_hk import mesh as mesh_lib
@@ -154,13 +153,14 @@ def main():
   parser.add_argument("--emb_dim", type=int, default=SETTING["emb_dim"])
   parser.add_argument("--mlp_dim", type=int, default=SETTING["mlp_dim"])
   parser.add_argument("--factor", type=float, default=SETTING["ragged_buffer_factor"])
+  results.add_argument(parser, "fallback_memory")
   args = parser.parse_args()
   SETTING.update(emb_dim=args.emb_dim, mlp_dim=args.mlp_dim, ragged_buffer_factor=args.factor)
   variants = args.variants.split(",")
   rows = measure(args.platforms.split(","), [int(n) for n in args.layers.split(",")], variants)
-  print(json.dumps({"setting": {**SETTING, "batch": BATCH, "seq": SEQ,
-                                "adaptive_max_chunks": ADAPTIVE_MAX_CHUNKS},
-                    "jax": jax.__version__, "rows": rows}, indent=2))
+  results.publish(args.results, {"setting": {**SETTING, "batch": BATCH, "seq": SEQ,
+                                             "adaptive_max_chunks": ADAPTIVE_MAX_CHUNKS},
+                                 "rows": rows})
   over = [v for v in variants if v != "capped" and "capped" in variants]
   print("\nTotal MiB per device (compile seconds)")
   print("| platform | model | " + " | ".join(variants) + " | " +

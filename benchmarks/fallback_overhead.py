@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +19,7 @@ import numpy as np
 
 import moe_hk
 from benchmarks import fallback_memory, timing
-from launch import platform
+from launch import platform, results
 
 TIMING_WIDTH = dict(emb_dim=64, mlp_dim=128)
 
@@ -50,6 +49,7 @@ def main():
   platform.setup(cpu_only=True)
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--rounds", type=int, default=15)
+  results.add_argument(parser, "fallback_overhead")
   args = parser.parse_args()
   mesh = fallback_memory.make_mesh("cpu")
   capped = fallback_memory.variant_config("capped", **TIMING_WIDTH)
@@ -71,7 +71,7 @@ def main():
     summary = timing.ratio_summary(pair, f"capped_{tag}")
     result[tag] = summary
     timing.print_table(f"no-overflow step, {tag}", summary, f"capped_{tag}")
-  print(json.dumps(result, indent=2))
+  results.publish(args.results, result)
 
 
 if __name__ == "__main__":

@@ -10,14 +10,13 @@ work, but with ragged group sizes. `ragged_dot` on XLA:CPU multiplies every row 
 """
 import argparse
 import functools
-import json
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import timing
-from launch import platform
+from launch import platform, results
 from moe_hk import grouped_matmul
 
 BLOCK_ROWS = (128, 256, 512)
@@ -59,6 +58,7 @@ def main():
   parser.add_argument("--n", type=int, default=1024)
   parser.add_argument("--groups", type=int, default=8)
   parser.add_argument("--rounds", type=int, default=15)
+  results.add_argument(parser, "grouped_matmul")
   args = parser.parse_args()
   m, k, n, g = args.rows, args.k, args.n, args.groups
   rng = np.random.default_rng(0)
@@ -74,7 +74,7 @@ def main():
   for mode, backward in (("forward", False), ("forward_backward", True)):
     samples = timing.interleaved(variants(lhs, rhs, cot, sizes, backward), args.rounds)
     result["results"][mode] = timing.ratio_summary(samples, "dense_batched")
-  print(json.dumps(result, indent=2))
+  results.publish(args.results, result)
   for mode, summary in result["results"].items():
     timing.print_table(f"{mode}: grouped matmul {m}x{k}x{n} over {g} groups "
                        f"({args.rounds} rounds)", summary, "dense_batched")

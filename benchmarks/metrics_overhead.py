@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import tempfile
 
 import jax
@@ -29,7 +28,7 @@ import jax.numpy as jnp
 import metrics
 import moe_hk
 from benchmarks import fallback_memory, fallback_overhead, timing
-from launch import platform
+from launch import platform, results
 from moe_hk import dispatch_plan
 
 
@@ -52,6 +51,7 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--rounds", type=int, default=15)
   parser.add_argument("--layers", type=int, default=4)
+  results.add_argument(parser, "metrics_overhead")
   args = parser.parse_args()
   mesh = fallback_memory.make_mesh("cpu")
   config = fallback_memory.variant_config("fallback_scan", **fallback_overhead.TIMING_WIDTH)
@@ -84,8 +84,8 @@ def main():
          "streamed": on_streamed}
   summary = timing.ratio_summary(timing.interleaved(fns, args.rounds), "metrics_off")
   moe_metrics.close()
-  print(json.dumps({"rounds": args.rounds, "layers": args.layers, "results": summary},
-                   indent=2))
+  results.publish(args.results, {"rounds": args.rounds, "layers": args.layers,
+                                       "results": summary})
   timing.print_table(f"{args.layers} remat MoE layers, value and grad", summary, "metrics_off")
 
 

@@ -22,7 +22,6 @@ goal, the verdict says the machine's noise is as large as the difference.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -30,6 +29,8 @@ import tempfile
 from typing import Sequence
 
 import numpy as np
+
+from launch import platform, results
 
 MODES = ("on", "off")
 
@@ -47,7 +48,7 @@ def interval_rates(workdir: str) -> dict[int, float]:
 def steps_per_second(telemetry: bool, warmup: int, steps: int) -> float:
   """Trains the default job in this process; its steps/s over steps [warmup, warmup + steps)."""
   import jax
-  from launch import platform, settings as settings_lib
+  from launch import settings as settings_lib
   from launch.training import trainer
   platform.setup(cpu_only=True)
   default = settings_lib.load(os.path.join(settings_lib.CONFIGS, "default.py"))
@@ -111,6 +112,7 @@ def main():
   parser.add_argument("--steps", type=int, default=120)
   parser.add_argument("--goal", type=float, default=0.98, help="on / off must be at least this")
   parser.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
+  results.add_argument(parser, "trainer_overhead")
   args = parser.parse_args()
   if args.child:
     print(steps_per_second(args.child == "on", args.warmup_steps, args.steps))
@@ -137,7 +139,8 @@ def main():
             "steps_per_second": samples, "on_over_off_per_round": ratio.round(4).tolist(),
             "on_over_off": on_over_off, "goal": args.goal,
             "verdict": verdict(on_over_off, args.rounds, args.goal)}
-  print(json.dumps(result, indent=2))
+  platform.setup(cpu_only=True)  # the machine the JSON names: the children's
+  results.publish(args.results, result)
   print("\n| telemetry | steps/s (median) | on / off (median, p25-p75) |")
   print("|---|---|---|")
   r = result["on_over_off"]

@@ -6,6 +6,7 @@ differed from it), the date and the machine; the docs quote these files.
 """
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import os
@@ -62,4 +63,21 @@ def write(name: str, figures: dict[str, Any], argv: list[str] | None = None) -> 
   with open(path, "w") as f:
     json.dump(record, f, indent=2)
     f.write("\n")
+  return path
+
+
+def add_argument(parser: argparse.ArgumentParser, name: str) -> None:
+  """`--results NAME` on a benchmark's parser: where `publish` writes (empty: nowhere)."""
+  parser.add_argument("--results", default=name,
+                      help="name of the JSON written to benchmarks/results/ ('' writes none)")
+
+
+def publish(name: str, figures: dict[str, Any]) -> str | None:
+  """Prints `figures` as JSON and, when `name` is not empty, writes them (`write`); returns
+  the path written."""
+  print(json.dumps(figures, indent=2))
+  if not name:
+    return None
+  path = write(name, figures)
+  print(f"\nwritten: {path}")
   return path

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import socket
+import subprocess
+import sys
 
 import haiku as hk
 import jax
@@ -34,16 +36,21 @@ def user_precision():
   return jax.default_matmul_precision("default")
 
 
+def unavailable(reason: str) -> None:
+  """Skips a test whose means are missing here, except in CI (`CI=true`), where it fails: CI
+  has every means (the libtpu wheel, root), so a check there never turns into a quiet skip."""
+  if os.environ.get("CI", "").lower() in ("1", "true"):
+    pytest.fail(f"{reason} (CI must be able to run this test)")
+  pytest.skip(reason)
+
+
 def require_libtpu() -> None:
-  """Skips without the libtpu wheel (a partial install), except in CI (`CI=true`), where a
-  missing libtpu fails: ten TPU checks must never turn into quiet skips there."""
+  """`unavailable` without the libtpu wheel matching jax (a partial install)."""
   try:
     import libtpu  # noqa: F401
   except ImportError:
-    if os.environ.get("CI", "").lower() in ("1", "true"):
-      pytest.fail("libtpu is not installed: `make install` installs jax[tpu]; the TPU "
-                  "compile checks cannot run")
-    pytest.skip("needs the libtpu wheel matching jax (jax[tpu], installed by `make install`)")
+    unavailable("needs the libtpu wheel matching jax (jax[tpu]: `make install` installs it) "
+                "for the TPU compile checks")
 
 
 # The metrics tests' three-layer model: layer 0 overflows and falls back, layer 1 overflows
@@ -56,6 +63,27 @@ BASE = dict(num_experts=8, num_experts_per_tok=2, emb_dim=16, mlp_dim=32, gmm_im
 LAYER_CONFIGS = [dict(ragged_buffer_factor=0.5, moe_dropless_fallback="layer"),
                  dict(ragged_buffer_factor=0.5, moe_dropless_fallback="none"),
                  dict(ragged_buffer_factor=-1)]
+
+
+# The child pins itself (a preexec_fn could deadlock a threaded parent).
+_ON_ONE_CORE = ("import os, runpy, sys; os.sched_setaffinity(0, {max(os.sched_getaffinity(0))});"
+                " sys.argv = sys.argv[1:]; runpy.run_module(sys.argv[0], run_name='__main__')")
+
+
+def run_module(argv: list[str], one_core: bool = False) -> str:
+  """Runs `python -m argv[0] argv[1:]` in a child as users run it; returns its stdout.
+
+  The child runs without the suite's legacy-emitter flag, which moves CPU memory figures
+  (tests/conftest.py). `one_core` pins it to one core, for TPU compiles: libtpu's compiler
+  threads then use 14% less CPU (at 1.5x the wall time), and the suite, which keeps both
+  cores busy, is bound by CPU (docs/testing.md)."""
+  flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
+           if not f.startswith("--xla_cpu_use_fusion_emitters")]
+  run = ["-c", _ON_ONE_CORE] if one_core else ["-m"]
+  done = subprocess.run([sys.executable, *run, *argv], cwd=ROOT, capture_output=True,
+                        text=True, check=False, env=dict(os.environ, XLA_FLAGS=" ".join(flags)))
+  assert done.returncode == 0, done.stderr[-3000:]
+  return done.stdout
 
 
 def unrolled_model(mesh) -> hk.TransformedWithState:
