@@ -19,7 +19,7 @@ from moe_hk import dispatch_plan
 from moe_hk.all_to_all import ragged_all_to_all
 from moe_hk.config import MoEConfig
 from moe_hk.grouped_matmul import expert_mlp
-from moe_hk.routing import nan_where_unrouted, tokens_per_expert
+from moe_hk.routing import tokens_per_expert
 
 
 class ExpertWeights(NamedTuple):
@@ -72,7 +72,7 @@ def ragged_moe(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, experts:
 
   x `[T, D]`, expert_ids / weights `[T, K]` (this shard's routing) -> `[T, D]` float32. Rows
   of id E (`routing.unrouted_id`) sort after every expert's and are in no count, so they are
-  never sent; such a token's output row is NaN (`routing.nan_where_unrouted`).
+  never sent and come back as 0 (`shard_forward` makes such a token's output row NaN).
   """
   axis = config.expert_axis
   _, k = expert_ids.shape
@@ -88,5 +88,4 @@ def ragged_moe(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, experts:
                             backends)[jnp.argsort(by_expert)]  # [R, D], buffer order
   returned = ragged_all_to_all(out, jnp.zeros_like(sorted_rows), plan.combine, axis,
                                backends.a2a)                     # [N, D]
-  return nan_where_unrouted(combine_rows(returned[jnp.argsort(order)], weights), expert_ids,
-                            config.num_experts)
+  return combine_rows(returned[jnp.argsort(order)], weights)

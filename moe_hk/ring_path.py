@@ -15,7 +15,6 @@ import jax.numpy as jnp
 
 from moe_hk.config import MoEConfig
 from moe_hk.ragged_path import Backends, ExpertWeights, grouped_experts_mlp, grouped_rows
-from moe_hk.routing import nan_where_unrouted
 
 
 def ring_moe(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, experts: ExpertWeights,
@@ -23,8 +22,8 @@ def ring_moe(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, experts: E
   """One shard's MoE output by ring of experts with a buffer of `rows` rows.
 
   x `[T, D]`, expert_ids / weights `[T, K]` (this shard's routing) -> `[T, D]` float32. Rows
-  of id E (`routing.unrouted_id`) are no shard's: every shard labels them L, so none runs them;
-  such a token's output row is NaN (`routing.nan_where_unrouted`).
+  of id E (`routing.unrouted_id`) are no shard's: every shard labels them L, so none runs them
+  (`shard_forward` makes such a token's output row NaN).
   """
   axis = config.expert_axis
   _, k = expert_ids.shape
@@ -44,6 +43,4 @@ def ring_moe(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, experts: E
   weighted = out.astype(jnp.float32) * gathered_w[picked][:, None]
   tokens_out = jnp.zeros((gathered_x.shape[0], x.shape[-1]), jnp.float32)
   tokens_out = tokens_out.at[picked // k].add(weighted)          # [G, D]
-  return nan_where_unrouted(
-      jax.lax.psum_scatter(tokens_out, axis, scatter_dimension=0, tiled=True), expert_ids,
-      config.num_experts)
+  return jax.lax.psum_scatter(tokens_out, axis, scatter_dimension=0, tiled=True)

@@ -75,14 +75,15 @@ def nonfinite_tokens(routing: Routing) -> jax.Array:
 
 
 def nan_where_unrouted(y: jax.Array, expert_ids: jax.Array, num_experts: int) -> jax.Array:
-  """A path's output `y [T, D]` with NaN rows for the tokens routed nowhere (`expert_ids
+  """A branch's output `y [T, D]` with NaN rows for the tokens routed nowhere (`expert_ids
   [T, K]` of `unrouted_id`): a non-finite token's output is NaN, whatever its rows (never
   sent) came back as. The select passes no cotangent to those rows.
 
-  Each path applies it to its own combined output, chunk by chunk in the fallback, where XLA
-  fuses the select into the combine; applied once to the layer's output after the fallback's
-  switch it kept another `[T, D]` float32 buffer alive beside the switch's (Maverick on v5p:
-  the fallback step 1.037x the capped one instead of 1.01x, docs/aot-memory.md)."""
+  The layer applies it to each branch's own output (the capped path's; a fallback rung's,
+  after its chunks), inside the branch. Compiled for TPU, once after the fallback's switch it
+  kept another `[T, D]` float32 buffer alive beside the switch's output (Maverick on v5p: the
+  fallback step 1.037x the capped one), and once per chunk it cost the adaptive fallback's
+  rungs one more each (docs/aot-memory.md)."""
   routed = expert_ids[:, 0] < unrouted_id(num_experts)  # a token's K rows go nowhere together
   return jnp.where(routed[:, None], y, jnp.nan)
 

@@ -56,11 +56,16 @@ def moe_shard(x: jax.Array, router_w: jax.Array, experts: ExpertWeights, *, conf
   ids = route.expert_ids.reshape(batch, seq, k)
   weights = route.weights.reshape(batch, seq, k)
 
+  def nan_unrouted(y, expert_ids):
+    # Each branch's output, inside the branch (routing.nan_where_unrouted says why there).
+    return routing_lib.nan_where_unrouted(y.reshape(tokens, width),
+                                          expert_ids.reshape(tokens, k),
+                                          config.num_experts).reshape(batch, seq, width)
+
   def capped(operands, expert_ids):
     x_, weights_, experts_ = operands
-    y = run(x_.reshape(tokens, width), expert_ids.reshape(tokens, k),
-            weights_.reshape(tokens, k), experts_, rows=capped_rows)
-    return y.reshape(batch, seq, width)
+    return nan_unrouted(run(x_.reshape(tokens, width), expert_ids.reshape(tokens, k),
+                            weights_.reshape(tokens, k), experts_, rows=capped_rows), expert_ids)
 
   def chunked(rung):
     # rung.rows <= the fixed rung's <= capped_rows; below a chunk's worst case, a rung runs
@@ -69,8 +74,8 @@ def moe_shard(x: jax.Array, router_w: jax.Array, experts: ExpertWeights, *, conf
       x_, weights_, experts_ = operands
       def chunk(x_c, ids_c, weights_c):
         return run(x_c, ids_c, weights_c, experts_, rows=rung.rows)
-      return fallback.chunked_dropless(chunk, x_, (expert_ids, weights_), rung.chunks,
-                                       chunk_loop)
+      return nan_unrouted(fallback.chunked_dropless(chunk, x_, (expert_ids, weights_),
+                                                    rung.chunks, chunk_loop), expert_ids)
     return run_chunks
 
   def fixed():
@@ -83,8 +88,8 @@ def moe_shard(x: jax.Array, router_w: jax.Array, experts: ExpertWeights, *, conf
   operands = (x, weights, experts)
   zero = jnp.zeros((), jnp.int32)
   if force_dropless:
-    y = run(x.reshape(tokens, width), route.expert_ids, route.weights, experts,
-            rows=worst_rows).reshape(batch, seq, width)
+    y = nan_unrouted(run(x.reshape(tokens, width), route.expert_ids, route.weights, experts,
+                         rows=worst_rows), ids)
     ran_fallback, dropped, chunks = zero, zero, zero
   elif builds_fallback(config, shards=shards, tokens=tokens):
     last = fixed()
