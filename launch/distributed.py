@@ -7,7 +7,8 @@ aborts every process with a native stack dump. `Watchdog` decides first: each pr
 publishes a counter in the service's key-value store every second, and a process whose
 counter has not moved for `heartbeat_timeout_s` (or a service that stops answering: process 0
 holds it) is lost; the watchdog then calls `on_lost`, which ends the process with one line.
-jax's own heartbeat timeout is set well beyond it.
+jax's own heartbeat timeout is set well beyond it. A collective that fails first (gloo sees
+the closed connection at once) waits for the watchdog's verdict (`Watchdog.settle`).
 """
 from __future__ import annotations
 
@@ -73,6 +74,12 @@ class Watchdog:
   def start(self) -> "Watchdog":
     threading.Thread(target=self._run, name="moe-hk-watchdog", daemon=True).start()
     return self
+
+  def settle(self) -> None:
+    """Waits until the watchdog could have seen a lost process (it then ends this one): for
+    the main thread to call when a collective failed, which a peer that died makes happen
+    before its heartbeat is missed. Returns when every process still answers."""
+    time.sleep(self.timeout_s + 2 * self.period_s)
 
   def check(self, now: float) -> list[int]:
     """Publishes this process's heartbeat and reads the others'; returns the processes lost

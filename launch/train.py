@@ -33,7 +33,7 @@ flags.register_multi_flags_validator(
     "--workdir is required: the run's directory (checkpoints, events, alerts.jsonl).")
 
 
-def _lost(workdir: str, timeout_s: int, processes: list[int]) -> None:
+def _lost(workdir: str, timeout_s: int, count: int, processes: list[int]) -> None:
   """Another process stopped answering: one line naming it and the checkpoint to resume
   from, then exit status 1 (the others cannot go on: every step needs every process)."""
   who = f"process{'es' if len(processes) > 1 else ''} {', '.join(map(str, processes))}"
@@ -41,7 +41,7 @@ def _lost(workdir: str, timeout_s: int, processes: list[int]) -> None:
   resume = (f"the newest checkpoint is step {newest} in {workdir}/checkpoints: rerun every "
             "process's command to resume from it" if newest is not None else
             "no checkpoint was written yet: rerun every process's command to start again")
-  sys.stderr.write(f"{cli.program()}: error: {who} of {jax.process_count()} stopped answering "
+  sys.stderr.write(f"{cli.program()}: error: {who} of {count} stopped answering "
                    f"(no heartbeat for config.heartbeat_timeout_s={timeout_s} s); {resume}.\n")
   sys.stderr.flush()
   os._exit(cli.USER_ERROR)
@@ -66,11 +66,17 @@ def main(argv):
   distributed.initialize_distributed(_COORDINATOR.value, _NUM_PROCESSES.value,
                                      _PROCESS_ID.value, platforms, heartbeat_timeout_s=timeout)
   cli.set_process(jax.process_index(), jax.process_count())
-  distributed.watch(timeout, functools.partial(_lost, os.path.abspath(_WORKDIR.value), timeout))
   processes = jax.process_count()
+  watchdog = distributed.watch(
+      timeout, functools.partial(_lost, os.path.abspath(_WORKDIR.value), timeout, processes))
   print(("" if processes == 1 else f"process {jax.process_index()}/{processes}: ") +
         platform.describe(), flush=True)
-  trainer.train_and_evaluate(settings_lib.build(config, jax.device_count()), _WORKDIR.value)
+  try:
+    trainer.train_and_evaluate(settings_lib.build(config, jax.device_count()), _WORKDIR.value)
+  except jax.errors.JaxRuntimeError:
+    if watchdog:  # a peer that died fails the collective before its heartbeat is missed
+      watchdog.settle()
+    raise
 
 
 if __name__ == "__main__":
