@@ -190,17 +190,24 @@ def test_throughput_moves_to_the_fastest_factor_within_the_guard():
 
 
 def test_throughput_does_not_act_on_noise_small_gains_or_before_a_window():
+  """Each case beside its control, the same run without what holds the move back: at 2.5 a
+  faster factor exists (the test above), and the controller takes it unless the window is
+  not full, the timings' noise is larger than the gain, or the gain is below `min_gain`."""
   required = _required()
-  early = _throughput(3.0)
-  _feed(early, required[:10], chunk_scale=5.0)
-  assert early.propose() is None  # half a window
-  noisy = _throughput(3.0)
-  _feed(noisy, required, chunk_scale=5.0, noise=0.5, intervals=3)
-  assert noisy.propose() is None  # the prediction's error is larger than the gain
-  # A gain below min_gain is not worth a program.
-  flat = _throughput(3.0, min_gain=0.5)
-  _feed(flat, required, chunk_scale=0.01)
-  assert flat.propose() is None
+  def decision(steps=required, noise=0.0, **kw):
+    c = _throughput(2.5, **kw)
+    _feed(c, steps, chunk_scale=5.0, noise=noise, intervals=3)
+    return c.propose(steps_left=10_000, compile_seconds=30.0)
+  control = decision()
+  assert control is not None and control.reason == "faster", control
+  gain = 1 - (control.evidence["predicted_step_seconds"]["new"] /
+              control.evidence["predicted_step_seconds"]["old"])
+  half = required[::2]                      # every other step: the same spread of needs
+  assert decision(half) is None             # half a window
+  assert decision(np.repeat(half, 2, axis=0)).reason == "faster"  # its full window
+  assert decision(noise=0.5) is None        # the prediction's error is larger than the gain
+  assert decision(min_gain=gain + 0.01) is None   # a gain below min_gain is not worth a program
+  assert decision(min_gain=gain - 0.01) == control
 
 
 def test_throughput_guard_raises_at_once_when_fallbacks_exceed_the_bound():

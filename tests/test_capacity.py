@@ -489,6 +489,29 @@ def test_memory_per_factor_regroups_the_mesh(run, monkeypatch):
     capacity.memory_per_factor(config, "cpu:8", [1.0], 4, traffic)
 
 
+def test_cli_picks_within_the_memory_budget(run, monkeypatch, capsys):
+  """--memory_budget_gib against the compiled memory per factor (stubbed: 1 GiB per unit of
+  factor; test_memory_per_factor_regroups_the_mesh and the test below compile it): the pick
+  stays while it fits, to the byte; a budget just below it names no factor and says why."""
+  workdir, _ = run
+  monkeypatch.setattr(capacity, "memory_per_factor",
+                      lambda config, topology, factors, shards, traffic:
+                      [int(f * 2**30) for f in factors])
+
+  def pick(*budget: str) -> tuple[list[float], list[dict], str]:
+    run_main(f"--workdir={workdir}", "--format=json", "--window=0", "--compile_topology=cpu:8",
+             "--aot_config=launch/configs/tiny.py", *budget)
+    out = capsys.readouterr()
+    results = json.loads(out.out)
+    return [r["factor"] for r in results if r["pick"]], results, out.err
+
+  (free,), results, _ = pick()
+  assert all(r["memory_bytes_per_device"] == int(r["factor"] * 2**30) for r in results)
+  assert pick(f"--memory_budget_gib={free}")[0] == [free]
+  below, _, err = pick(f"--memory_budget_gib={free - 0.01:g}")
+  assert below == [] and "no factor that fits falls back on at most 1% of the last" in err
+
+
 @pytest.mark.slow
 def test_cli_reports_the_compiled_memory(run):
   workdir, _ = run

@@ -31,7 +31,7 @@ from launch.training.steps import abstract_inputs
 from metrics import traffic
 from metrics.event_files import read_histograms, read_images, read_scalars
 from tests.helpers import (ROOT, TINY, TINY_FLAGS, TINY_GMM, cached_make_steps, free_port,
-                           settings_of, tiny_config)
+                           settings_of, tiny_config, unavailable)
 
 # Every test here shares one worker's step cache and the baseline run (tests/conftest.py
 # WORKER_GROUPS).
@@ -611,19 +611,28 @@ def test_rerun_of_a_finished_run_says_so_and_changes_nothing(baseline, capsys):
   assert sorted(os.listdir(baseline.workdir)) == before
 
 
+def _no_compiling(monkeypatch) -> None:
+  """The trainer's step functions (jitted, so compiled on first use) must not be built."""
+  def refuse(*args, **kwargs):
+    raise AssertionError("the trainer built its steps before the error")
+  monkeypatch.setattr(trainer, "make_steps", refuse)
+
+
 @pytest.mark.parametrize("where", ["file", "proc"])
-def test_unwritable_workdir_is_a_user_error_before_compiling(tmp_path, where):
+def test_unwritable_workdir_is_a_user_error_before_compiling(tmp_path, where, monkeypatch):
   workdir = {"file": tmp_path / "a_file", "proc": "/proc/moe-hk"}[where]
   if where == "file":
     workdir.write_text("")
+  _no_compiling(monkeypatch)
   with pytest.raises(UserError, match=rf"workdir '{workdir}' cannot be created or written "
                                       r"\(.+\): pass a folder this user can write\.$"):
     trainer.train_and_evaluate(settings_of(tiny_config()), str(workdir))
 
 
-def test_data_that_does_not_match_is_a_user_error_before_compiling(tmp_path):
+def test_data_that_does_not_match_is_a_user_error_before_compiling(tmp_path, monkeypatch):
   c = tiny_config()
   c.data.source, c.data.pattern = "files", str(tmp_path / "*.txt")
+  _no_compiling(monkeypatch)
   with pytest.raises(UserError, match=r"matches no file"):
     trainer.train_and_evaluate(settings_of(c), str(tmp_path / "run"))
   assert not os.path.exists(tmp_path / "run" / "checkpoints")
@@ -677,34 +686,54 @@ def test_unreadable_checkpoints_are_moved_aside_and_the_run_resumes(baseline, tm
 
 @contextlib.contextmanager
 def _tmpfs(path: str):
-  """A small tmpfs mounted at `path` for the block (skips the test where mounting is not
-  allowed: it needs root, which CI and this machine's sessions have)."""
+  """A 64 MiB tmpfs mounted at `path` for the block; yields a `remount(options)` (needs root,
+  which CI and this machine's sessions have: elsewhere the test skips, in CI it fails)."""
   os.makedirs(path)
   done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", path],
                         capture_output=True, text=True)
   if done.returncode:
-    pytest.skip(f"cannot mount a tmpfs to make a read-only folder ({done.stderr.strip()}); "
-                "root can, and root cannot be kept from writing to a writable one")
+    unavailable(f"cannot mount a tmpfs for a read-only or full folder ({done.stderr.strip()})")
   try:
-    yield lambda mode: subprocess.run(["mount", "-o", f"remount,{mode}", path], check=True)
+    yield lambda options: subprocess.run(["mount", "-o", f"remount,{options}", path],
+                                         check=True)
   finally:
     subprocess.run(["umount", path], check=True)
 
 
+def _fill(folder: str, leave_bytes: int) -> str:
+  """Writes a ballast file into `folder` until `leave_bytes` are free on its file system."""
+  stat = os.statvfs(folder)
+  path = os.path.join(folder, "ballast")
+  with open(path, "wb") as f:
+    f.write(b"\0" * (stat.f_bavail * stat.f_frsize - leave_bytes))
+  return path
+
+
 @pytest.mark.slow
-def test_failed_checkpoint_write_stops_in_one_line_and_keeps_the_previous(baseline, tmp_path):
-  """The checkpoint folder turns read-only after step 4's checkpoint: the save at step 8 fails,
-  the run stops with one line naming the newest intact checkpoint, which still resumes."""
+@pytest.mark.parametrize("failure", ["read_only", "disk_full"])
+def test_failed_checkpoint_write_stops_in_one_line_and_keeps_the_previous(baseline, tmp_path,
+                                                                          failure):
+  """After step 4's checkpoint the folder turns read-only, or fills up with room for half a
+  checkpoint (the save at step 8 then fails part-way): the run stops with one line naming
+  the newest intact checkpoint; once the folder is fixed the rerun resumes from it, with the
+  uninterrupted run's losses, whatever the failed save left."""
   workdir = str(tmp_path / "run")
   checkpoints = os.path.join(workdir, "checkpoints")
   with _tmpfs(checkpoints) as remount:
     trainer.train_and_evaluate(settings_of(run_config()), workdir, stop_after=4)
-    remount("ro")
+    size = sum(os.path.getsize(os.path.join(d, f))
+               for d, _, files in os.walk(os.path.join(checkpoints, "4")) for f in files)
+    ballast = _fill(checkpoints, size // 2) if failure == "disk_full" else None
+    if failure == "read_only":
+      remount("ro")
     with pytest.raises(UserError, match=rf"writing a checkpoint to {checkpoints} failed \(.*"
                                         r"\); step 4 is the newest intact one: free space or fix "
                                         r"the folder's permissions, then rerun to resume\.$"):
       trainer.train_and_evaluate(settings_of(run_config()), workdir)
-    remount("rw")
+    if ballast:
+      os.remove(ballast)
+    else:
+      remount("rw")
     assert sorted(os.listdir(checkpoints)) == ["1", "4"]
     rest = trainer.train_and_evaluate(settings_of(run_config()), workdir)
   np.testing.assert_allclose(rest, baseline.losses[4:], rtol=1e-6)

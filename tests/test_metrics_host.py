@@ -312,10 +312,17 @@ def test_the_background_writer_keeps_order_bounds_its_lag_and_reports_a_failed_w
   writer = MoEMetricsWriter(workdir, max_behind=1)
   for step in range(30):
     writer.write_scalars(step, {"train/loss": float(step)})
-    writer.flush(wait=False)
+    if step % 3 == 2:  # three steps a flush
+      writer.flush(wait=False)
     assert len(writer._flushes) <= 1  # never more than max_behind flushes outstanding
   writer.close()
   assert read_scalars(workdir)["train/loss"] == {s: float(s) for s in range(30)}
+  # In the file, in the order written (the dict above cannot show order).
+  from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+  (path,) = glob.glob(f"{workdir}/events.out.tfevents.*")
+  written = [e.step for e in EventFileLoader(path).Load()
+             if any(v.tag == "train/loss" for v in e.summary.value)]
+  assert written == list(range(30)), written
 
   broken = MoEMetricsWriter(str(tmp_path / "broken"))
   broken.write_scalars(0, {"train/loss": "not a number"})

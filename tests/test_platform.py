@@ -58,6 +58,25 @@ def test_describe_says_platform_devices_and_processes():
   assert platform.describe() == "platform cpu: 8 devices, 8 local, 1 process"
 
 
+@pytest.mark.parametrize("possible,cpu_only,chosen", [
+    (True, False, ""),       # jax's own choice: the TPU or GPU
+    (True, True, "cpu"),     # the compiling and reading tools never take the chips
+    (False, False, "cpu"),
+])
+def test_without_jax_platforms_setup_leaves_an_accelerator_to_jax(possible, cpu_only, chosen):
+  """In a fresh process without JAX_PLATFORMS, with device files that say a chip may be there
+  (`accelerator_possible`, stubbed), `setup` leaves the platform to jax; without them, or for
+  a tool, it asks for the CPU. No backend starts."""
+  env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
+  code = (f"from launch import platform; platform.accelerator_possible = lambda: {possible}; "
+          f"import jax; print(repr(platform.setup(3, cpu_only={cpu_only}))); "
+          "print(jax.config.jax_platforms)")
+  done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                        text=True, timeout=300)
+  assert done.returncode == 0, done.stderr
+  assert done.stdout.splitlines() == [repr(chosen), str(chosen or None)]
+
+
 def test_without_jax_platforms_a_cpu_machine_starts_quietly_on_n_cpu_devices():
   """No JAX_PLATFORMS, no XLA_FLAGS, libtpu installed, no TPU or GPU: the CPU backend with the
   devices asked for, and not a line on stderr (no libtpu or backend warnings)."""

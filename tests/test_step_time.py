@@ -263,6 +263,14 @@ def test_the_planner_times_capped_steps_and_prices_with_them(timed_run, capsys, 
   flops = replay.advise(window, max_frequency=0.5, target=0.01, factors=[1.5, 3.0])
   assert [r["step_seconds"] for r in results] == [c.seconds for c in again.candidates]
   assert again.candidates[1].seconds != flops.candidates[1].seconds
+  # Its capped step is the run's 1.5 (true_capped, within the fit's error) times the timed
+  # ratio: doubling the timed 3's step adds that once more, the chunks' price unchanged.
+  ratio = timed[3.0] / timed[1.5]
+  double = replay.advise(window, max_frequency=0.5, target=0.01, factors=[1.5, 3.0],
+                         timed={1.5: timed[1.5], 3.0: 2 * timed[3.0]})
+  added = double.candidates[1].seconds - again.candidates[1].seconds
+  assert abs(added - true_capped(1.5) * ratio) <= 3 * again.candidates[0].se * ratio, (
+      added, true_capped(1.5) * ratio)
   assert "--time_config: factors 3 priced from the capped steps timed here; 1.5 from the " \
          "run's own intervals" in out.err
 

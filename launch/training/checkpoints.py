@@ -8,12 +8,14 @@ a restart resumes by itself, and nothing else about it reaches the console (the 
 late callbacks: `_drop_late_reads`). When none reads, nothing moves and the run stops with one line
 naming the folder. A save that fails (disk full, read-only folder) stops the run with one line;
 orbax writes each checkpoint to a temporary folder and renames it when complete, so the
-previous checkpoint stays intact.
+previous checkpoint stays intact, and the failed save's temporary folder is removed (its
+space is freed where the folder is writable).
 """
 from __future__ import annotations
 
 import logging as logging_lib
 import os
+import shutil
 import sys
 from typing import Any, NamedTuple
 
@@ -23,6 +25,8 @@ from absl import logging
 from jax.experimental import multihost_utils
 
 from launch.errors import UserError
+
+_PARTIAL = ".orbax-checkpoint-tmp"  # in the name of a checkpoint orbax is still writing
 
 
 def newest_step(workdir: str) -> int | None:
@@ -117,6 +121,10 @@ class Checkpoints:
     try:
       write()
     except Exception as e:  # tensorstore and orbax wrap the OS error in their own types
+      if jax.process_index() == 0:
+        for name in os.listdir(self.directory):
+          if _PARTIAL in name:  # the failed save's: never renamed to its step
+            shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
       intact = [s for s in self._manager.all_steps()
                 if os.path.isdir(os.path.join(self.directory, str(s)))]
       newest = f"step {max(intact)} is the newest intact one" if intact else "none was written"
