@@ -1,12 +1,13 @@
 """Compiles the full train step for a topology and prints device memory per MoE variant.
 
   python -m launch.aot --config=launch/configs/maverick.py --compile_topology=v5p-256 \
-      [--variants=worst_case,capped,fallback_scan,step,...] [--config.KEY=VALUE ...]
+      [--variants=capped,fallback_scan,...|all] [--config.KEY=VALUE ...]
 
 The topology is a TPU slice (`v5p-256`, i.e. 128 chips, or `v5p:4x4x8`), compiled through
 libtpu with no TPU attached, or `cpu:N` (N simulated CPU devices); jax stays on the CPU either
 way (launch.platform), so it never takes the chips of a TPU VM. Every variant compiles the
-same step as `launch.train` (`launch.compiling.variants`). Prints JSON, then a table of
+same step as `launch.train` (`launch.compiling.variants`); by default only the variant the
+config trains (its pre-flight check), `all` for every one. Prints JSON, then a table of
 per-device memory (arguments + outputs + temporaries - aliased) from
 `compiled.memory_analysis()`, and the step's matmul FLOPs (all devices, loops at their trip
 counts: `launch.planning.flops`; XLA's `cost_analysis()` counts a loop body once, so it is in
@@ -21,12 +22,14 @@ from absl import flags
 
 from launch import cli, platform, results, settings as settings_lib
 from launch.compiling import topology as topology_lib
-from launch.compiling.variants import GIB, VARIANTS, compile_variant, model_flops
+from launch.compiling.variants import (GIB, VARIANTS, compile_variant, model_flops,
+                                      trained_variant)
 from launch.errors import UserError, user_errors
 
 _CONFIG = cli.define_config("config", "maverick.py", "Model configuration file.")
 _TOPOLOGY = topology_lib.topology_flag("v5p-256", "'v5p-N', 'v5p:AxBxC' or 'cpu:N'.")
-_VARIANTS = flags.DEFINE_list("variants", ",".join(VARIANTS), f"Any of {', '.join(VARIANTS)}.")
+_VARIANTS = flags.DEFINE_list("variants", [], f"Any of {', '.join(VARIANTS)}, or 'all'; "
+                              "default: the one the config trains.")
 _RESULTS = flags.DEFINE_string("results", None, "Name of the JSON written to benchmarks/results/ "
                                "(default aot_<config>_<topology>[_<variants>]); '' writes none.")
 
@@ -57,17 +60,28 @@ def print_table(topology: str, settings: settings_lib.Settings, model: dict, row
           f"{accepted} | {fits} | {flops_cells} | {r['compile_seconds']} |")
 
 
+def _variants(settings: settings_lib.Settings) -> list[str]:
+  """--variants resolved: the config's own variant by default, every one for 'all'."""
+  asked = list(_VARIANTS.value)
+  if not asked:
+    return [trained_variant(settings.layer)]
+  if asked == ["all"]:
+    return list(VARIANTS)
+  unknown = sorted(set(asked) - set(VARIANTS))
+  if unknown:
+    raise UserError(f"--variants={','.join(asked)}: unknown {', '.join(unknown)}; valid: "
+                    f"{', '.join(VARIANTS)}, or 'all'.")
+  return asked
+
+
 def main(argv):
   del argv  # launch.cli refuses arguments that are not flags
-  unknown = sorted(set(_VARIANTS.value) - set(VARIANTS))
-  if unknown:
-    raise UserError(f"--variants={','.join(_VARIANTS.value)}: unknown {', '.join(unknown)}; "
-                    f"valid: {', '.join(VARIANTS)}.")
   with user_errors():
     platform.setup(topology_lib.cpu_device_count(_TOPOLOGY.value), cpu_only=True)
     devices = topology_lib.topology_devices(_TOPOLOGY.value)
   settings = settings_lib.build(_CONFIG.value, len(devices))
-  rows = [compile_variant(settings, devices, v) for v in _VARIANTS.value]
+  variants = _variants(settings)
+  rows = [compile_variant(settings, devices, v) for v in variants]
   model = model_flops(settings, devices)
   figures = {"topology": _TOPOLOGY.value, "devices": len(devices),
              "platform": devices[0].platform, "mesh": dict(settings.mesh), "model": model,
@@ -77,7 +91,7 @@ def main(argv):
   name = _RESULTS.value
   if name is None:
     stem = os.path.splitext(os.path.basename(_CONFIG.path))[0]
-    subset = "" if list(_VARIANTS.value) == list(VARIANTS) else "_" + "_".join(_VARIANTS.value)
+    subset = "" if variants == list(VARIANTS) else "_" + "_".join(variants)
     name = f"aot_{stem}_{_TOPOLOGY.value.replace(':', '-')}{subset}"
   if name:
     print(f"\nwritten: {results.write(name, figures)}")

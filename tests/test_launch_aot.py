@@ -1,7 +1,9 @@
 """`launch.aot`'s parts: the launcher's train step compiled for TPU topologies and CPU meshes
 (`launch.compiling`)."""
 import dataclasses
+import math
 
+import jax
 import pytest
 
 import moe_hk
@@ -34,12 +36,24 @@ def test_train_step_compiles_for_v5p_with_its_memory():
   `launch.aot`, with the compiler's memory figures. (The scan's memory below the unrolled
   chunk loop's, on a v5p topology and a CPU mesh: tests/test_fallback_memory.py.)"""
   require_libtpu()
+  settings, devices = settings_of(tiny.get_config()), topology_lib.topology_devices("v5p-16")
   with user_precision():
-    row = variants.compile_variant(settings_of(tiny.get_config()),
-                                   topology_lib.topology_devices("v5p-16"), "fallback_scan")
+    row = variants.compile_variant(settings, devices, "fallback_scan")
   assert row["compiled"], row
-  assert row["argument_bytes"] > 0 and row["temp_bytes"] > 0, row
-  assert row["alias_bytes"] > 0, row  # the state is donated: the new one reuses its buffers
+  # The arguments are the state's and the batch's shards (by hand from their shardings; TPU
+  # tiles pad small arrays, so the compiler's figures are at least these); the state is
+  # donated, so the new one is written over it (aliased): only the batch is not.
+  steps = make_steps(settings, moe_hk.make_mesh(**settings.mesh, devices=devices))
+  state, batch = abstract_inputs(settings.config, steps)
+  shard = lambda a: math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize
+  state_bytes = sum(map(shard, jax.tree.leaves(state)))
+  batch_bytes = sum(map(shard, jax.tree.leaves(batch)))
+  assert row["argument_bytes"] >= state_bytes + batch_bytes, row
+  assert row["alias_bytes"] >= state_bytes, row
+  assert batch_bytes <= row["argument_bytes"] - row["alias_bytes"] < state_bytes, row
+  assert row["total_bytes"] == (row["argument_bytes"] + row["output_bytes"] + row["temp_bytes"]
+                                - row["alias_bytes"]), row
+  assert 0 < row["temp_bytes"] < 64 * 2**20, row  # the tiny model: activations, not GiB
 
 
 @pytest.mark.slow
@@ -73,3 +87,14 @@ def test_variants_differ_only_in_the_moe_layers():
   for variant in (adaptive, step):  # the rest is the config's: its factor, its path
     assert dataclasses.replace(variant, moe_dropless_fallback=base.moe_dropless_fallback,
                                dropless_fallback_chunking=base.dropless_fallback_chunking) == base
+
+
+def test_the_default_variant_is_the_one_the_config_trains():
+  """`launch.aot` without --variants compiles the config's own variant (the pre-flight
+  check of docs/tpu-pod.md): each trainable variant's layer maps back to it."""
+  base = settings_of(tiny.get_config()).layer
+  for variant in variants.VARIANTS[:-1]:  # the unrolled loop is a measurement, never trained
+    assert variants.trained_variant(variants.variant_layer(base, variant)) == variant
+  from launch.configs import maverick
+  assert variants.trained_variant(settings_of(maverick.get_config(), 128).layer) == (
+      "fallback_scan")

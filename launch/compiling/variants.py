@@ -34,6 +34,16 @@ def unrolled_chunks(body, num_chunks: int) -> jax.Array:
   return jnp.stack([body(i) for i in range(num_chunks)])
 
 
+def trained_variant(layer: moe_hk.MoEConfig) -> str:
+  """The variant `layer` trains as (what `launch.train` runs with it): `variant_layer` of it
+  is `layer` itself."""
+  if layer.ragged_buffer_factor < 0:
+    return "worst_case"
+  if layer.moe_dropless_fallback in ("none", "step"):
+    return {"none": "capped", "step": "step"}[layer.moe_dropless_fallback]
+  return "fallback_adaptive" if layer.dropless_fallback_chunking == "adaptive" else "fallback_scan"
+
+
 def variant_layer(layer: moe_hk.MoEConfig, variant: str) -> moe_hk.MoEConfig:
   """`layer` set up as `variant` (the buffer factor stays the run's, except the worst case)."""
   if variant == "worst_case":

@@ -1,10 +1,14 @@
-"""Llama4-Maverick-shaped MoE transformer, for AOT compilation (`python -m launch.aot`) only.
+"""Llama4-Maverick-shaped MoE transformer on a v5p-256 slice: trained by `launch.train` on
+ArrayRecord token files (`launch.prepare_data`), compiled ahead by `launch.aot` from the same
+file (docs/tpu-pod.md).
 
 48 layers alternating dense and MoE (128 experts, sigmoid top-1 plus a shared expert), width
 5120, MoE MLP 8192, dense MLP 16384, 40 query heads / 8 KV heads of 128, vocabulary 202,048,
 bfloat16 compute on float32 params + Adam, every layer group rematerialised with its input in
 host memory. Mesh FSDP 8 x EP 16 (v5p-256: 128 chips), 4 sequences of 8,192 per chip, buffer
-factor 2.0, 32 fallback chunks.
+factor 2.0, 32 fallback chunks. AdamW at a peak learning rate of 2.2e-4 after 2,000 warmup
+steps, weight decay 0.1 (DeepSeek-V3's schedule for its 671B MoE), loss and gradient-norm
+spikes skipped.
 """
 import ml_collections
 
@@ -40,5 +44,18 @@ def get_config() -> ml_collections.ConfigDict:
   # place, where XLA's ragged_dot copied all three [8, 5120, 8192] stacks into another layout
   # in every chunk of the fallback's backward (docs/aot-memory.md).
   c.moe.gmm_impl = "megablox"
-  c.data.update(source="synthetic", batch_size=4 * 128, seq_len=8192)
+  # 4.19M tokens a step. The token files: `--config.data.pattern=GLOB` on every host
+  # (launch.prepare_data writes them with the model's tokenizer: 202,048 ids).
+  c.data.update(source="array_record", pattern="", batch_size=4 * 128, seq_len=8192)
+  c.learning_rate = 2.2e-4
+  c.warmup_steps = 2000
+  c.train_steps = 250_000   # about 1T tokens: set it from the run's token budget
+  c.weight_decay = 0.1
+  c.grad_clip_norm = 1.0
+  c.spikes.enabled = True
+  c.log_every = 10
+  c.eval_every = 1000
+  c.eval_batches = 4
+  c.checkpoint_every = 100  # ~45 min at 40% MFU (27 s a step): what a preemption can lose
+  c.checkpoints_to_keep = 3
   return c
