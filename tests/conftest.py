@@ -42,6 +42,7 @@ WORKER_GROUPS = (
     # compile slow each other down more than running one after the other.
     (r"tests/test_fallback_memory\.py::", "fallback_memory"),
     (r"tests/test_tpu_aot\.py::", "tpu_aot"),
+    (r"tests/test_memory_guard\.py::", "memory_guard"),
     (r"tests/test_adaptive_fallback\.py::.*\b(all_to_all|ring)\]$", r"adaptive_\1"),
     (r"tests/test_step_mode\.py::.*\b(all_to_all|ring)\]$", r"step_mode_\1"),
     (r"tests/test_grouped_matmul\.py::test_expert_mlp_.*-(\w+-\d+)\]$", r"grouped_matmul_\1"),
