@@ -1,7 +1,8 @@
 """The default job with the buffer-factor autopilot against fixed factors, in interleaved rounds.
 
   python -m benchmarks.autopilot_run [--workdir=DIR --steps=400 --rounds=3
-      --runs=auto,fixed1.5,fixed2,fixed2.5,fixed3,worst --from_step=100 --time_steps=5]
+      --runs=auto,fixed1.5,fixed2,fixed2.5,fixed3,worst --from_step=100 --time_steps=5
+      --results=autopilot_run]
 
 Trains the default config (8 simulated CPU devices) from scratch once per run and round: the
 autopilot from factor 3.0 (`auto`, `config.autopilot`'s defaults: the throughput objective),
@@ -16,8 +17,9 @@ median over the best fixed run's, and `launch.capacity`'s predicted relative ste
 factor (from the first fixed run's recorded traffic and timings, 1.0 at its factor) beside the
 measured one (the medians' seconds per step, in the same ratio): priced by the matmul FLOPs,
 and, after the rounds, by the default config's capped steps timed per factor
-(`launch.planning.capped_timing`, 10 bursts of `--time_steps` steps each; 0 skips it), as `launch.capacity
---time_config` does. The runs stay in `--workdir` (`DIR/<run>-r<round>`). JSON, then tables.
+(`launch.planning.capped_timing`, 10 bursts of `--time_steps` steps each; 0 skips it), as
+`launch.capacity --time_config` does. The runs stay in `--workdir` (`DIR/<run>-r<round>`).
+JSON, then tables.
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ import numpy as np
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.util import tensor_util
 
-from launch import platform, settings as settings_lib
+from launch import platform, results, settings as settings_lib
 from launch.planning import capped_timing, replay
 from launch.training import trainer
 from metrics.traffic import read_traffic
@@ -111,6 +113,7 @@ def main():
   parser.add_argument("--from_step", type=int, default=100)
   parser.add_argument("--runs", default="auto,fixed1.5,fixed2,fixed2.5,fixed3,worst")
   parser.add_argument("--time_steps", type=int, default=5)
+  results.add_argument(parser, "autopilot_run")
   args = parser.parse_args()
   names = args.runs.split(",")
   for name in names:
@@ -125,8 +128,8 @@ def main():
     rounds.append([done[n] for n in names])
   fixed = [n for n in names if n != "auto"]
   reference = rounds[0][names.index(fixed[0])]["losses"] if fixed else None
-  for results in rounds:
-    for res in results:
+  for done in rounds:
+    for res in done:
       losses = res.pop("losses")
       res["max_loss_difference"] = (float(np.max(np.abs(np.subtract(losses, reference))))
                                     if reference else None)
@@ -154,7 +157,7 @@ def main():
                                                     for k, v in timed_prediction.items()},
              # Seconds per step over the first fixed run's: its tokens/s over this run's.
              "measured_relative_step_time": {n: median[fixed[0]] / median[n] for n in fixed}}
-  print(json.dumps(summary, indent=2))
+  results.publish(args.results, summary)
   print("\n| run | tokens/s (median) | spread over rounds | factor schedule (round 0) | "
         "fallback frequency | dropped rows (max fraction) | max loss difference |")
   print("|---|---|---|---|---|---|---|")

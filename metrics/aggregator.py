@@ -5,8 +5,8 @@ few steps (`add`), and layer events from `jax.debug.callback` on arbitrary threa
 with duplicates: another copy when a rematerialised forward is recomputed under grad, one per
 process in multi-process runs. Every copy of one (step, layer) carries the same global stats,
 whichever route brought it, so the first is kept and later copies only add their process to
-the record's set of reporters. Memory is bounded: at most `max_open_steps` unfinished steps and fixed-size
-trailing windows; the windows are saved with checkpoints (`state_dict`).
+the record's set of reporters. Memory is bounded: at most `max_open_steps` unfinished steps
+and fixed-size trailing windows; the windows are saved with checkpoints (`state_dict`).
 """
 from __future__ import annotations
 

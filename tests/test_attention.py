@@ -1,5 +1,5 @@
-"""launch.training.attention: the XLA and splash forms against a dense reference (outputs and gradients),
-the splash form compiled for a v5p topology, and the choice of form per platform.
+"""launch.training.attention: the XLA and splash forms against a dense reference (outputs and
+gradients), the splash form compiled for a v5p topology, and the choice of form per platform.
 
 The cuDNN form is not tested here: `jax.nn.dot_product_attention(implementation='cudnn')` does
 not even trace without cuDNN ("cuDNN is not detected"), and this suite runs on CPU devices.

@@ -1,5 +1,6 @@
-"""The buffer-factor autopilot's host logic: the candidate factors, lowering, raising, hysteresis, the
-program cache's memory and recompile budgets (the end-to-end run is in test_launch)."""
+"""The buffer-factor autopilot's host logic: the candidate factors, lowering, raising,
+hysteresis, the program cache's memory and recompile budgets (the end-to-end run is in
+test_launch)."""
 import math
 import threading
 from typing import NamedTuple

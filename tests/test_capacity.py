@@ -137,7 +137,8 @@ def test_recorder_rejects_bad_input(tmp_path, steps, counts, factors, message):
 
 
 def test_recorder_rejects_chunks_of_another_shape(tmp_path):
-  with pytest.raises(ValueError, match=r"fallback_chunks \(2, 2\) must be \[n, layers\] = \(2, 1\)"):
+  with pytest.raises(ValueError,
+                     match=r"fallback_chunks \(2, 2\) must be \[n, layers\] = \(2, 1\)"):
     TrafficRecorder(str(tmp_path), **META).append([0, 1], balanced(2), [1.0, 1.0],
                                                    np.zeros((2, 2), np.int32))
 

@@ -43,7 +43,7 @@ def one_line(stderr: str) -> str:
     (["--config.moe.num_expert=4"], "--config.moe.num_expert: no such config key (closest: "
                                     "config.moe.num_experts, "),
     (["--config.train_steps=abc"], "--config.train_steps=abc: not a valid int (the key holds "
-                                   "200; --print_config lists every key and its value)."),
+                                   "250000; --print_config lists every key and its value)."),
     (["--config.moe.use_ring_of_experts=maybe"], "--config.moe.use_ring_of_experts=maybe: not "
                                                  "a valid bool"),
     (["--config.moe=1"], "--config.moe is a section: set its keys (a2a_impl, "),

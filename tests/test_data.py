@@ -1,4 +1,5 @@
-"""launch.training.data: shapes, per-process rows, exact resume and input errors for every source."""
+"""launch.training.data: shapes, per-process rows, exact resume and input errors for every
+source."""
 import json
 import pathlib
 import subprocess

@@ -31,7 +31,8 @@ def _mib(platform: str) -> dict:
   if platform == "tpu":
     require_libtpu()
   out = run_module(["benchmarks.fallback_memory", f"--platforms={platform}", "--layers=0",
-                    f"--variants={','.join(VARIANTS[platform])}", "--results="], one_core=platform == "tpu")
+                    f"--variants={','.join(VARIANTS[platform])}", "--results="],
+                   one_core=platform == "tpu")
   report, _ = json.JSONDecoder().raw_decode(out)
   (row,) = report["rows"]
   return row["MiB"]

@@ -283,7 +283,8 @@ def test_bfloat16_compute_tracks_float32(baseline, tmp_path):
   """bf16 matmuls (params float32) follow the float32 loss curve within 2e-3 at every step,
   and really compute in bf16 (the curves differ)."""
   f32 = baseline.losses
-  bf16 = trainer.train_and_evaluate(settings_of(run_config(dtype="bfloat16")), str(tmp_path / "bf16"))
+  bf16 = trainer.train_and_evaluate(settings_of(run_config(dtype="bfloat16")),
+                                    str(tmp_path / "bf16"))
   np.testing.assert_allclose(bf16, f32, rtol=2e-3)
   assert np.max(np.abs(np.subtract(bf16, f32))) > 0
 

@@ -85,8 +85,8 @@ def test_one_measured_factor_scales_by_flops_two_follow_the_line():
 
 
 def test_timed_capped_steps_scale_one_measured_factor_in_place_of_the_flops():
-  """With capped steps timed apart (`launch.planning.capped_timing`), a factor the run did not train at
-  is the measured step times their ratio; a factor not timed falls back to the FLOPs."""
+  """With capped steps timed apart (`launch.planning.capped_timing`), a factor the run did not
+  train at is the measured step times their ratio; a factor not timed falls back to the FLOPs."""
   timed = {2.0: 0.5, 3.0: 0.55, 4.0: 0.6}
   model = step_time.StepTimeModel(intervals(2.0, [0, 4, 8, 2]), FLOPS, timed)
   np.testing.assert_allclose(model.capped(2.0).seconds, true_capped(2.0), rtol=1e-9)

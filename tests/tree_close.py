@@ -23,7 +23,8 @@ def assert_trees_close(actual, expected, rtol: float | None = None, what: str = 
   bad = []
   for (path, a), b in zip(paths_a, leaves_b):
     tol = rtol if rtol is not None else TOLERANCE[np.dtype(b.dtype)]
-    assert np.shape(a) == np.shape(b), f"{what}{jax.tree_util.keystr(path)}: shape {np.shape(a)} != {np.shape(b)}"
+    where = f"{what}{jax.tree_util.keystr(path)}"
+    assert np.shape(a) == np.shape(b), f"{where}: shape {np.shape(a)} != {np.shape(b)}"
     err = relative_error(a, b)
     if not err <= tol:
       bad.append(f"{what}{jax.tree_util.keystr(path)}: relative error {err:.3g} > {tol:.1g}")

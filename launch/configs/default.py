@@ -2,8 +2,8 @@
 import ml_collections
 
 
-def get_config() -> ml_collections.ConfigDict:
-  c = ml_collections.ConfigDict()
+def _run(c: ml_collections.ConfigDict) -> None:
+  """The mesh and the processes."""
   # Mesh: data x fsdp x expert must equal the device count (8 simulated CPU devices).
   c.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=1, expert=8))
   # Simulated CPU devices when jax runs on the CPU (the machine has no TPU or GPU, or
@@ -14,7 +14,10 @@ def get_config() -> ml_collections.ConfigDict:
   # host lost) the others end the run in one line naming it and the newest checkpoint. jax's
   # default, 100 s, suits a TPU slice (a host busy compiling still sends heartbeats).
   c.heartbeat_timeout_s = 100
-  # Model.
+
+
+def _model(c: ml_collections.ConfigDict) -> None:
+  """The transformer and its MoE layers."""
   c.vocab_size = 256          # bytes
   c.emb_dim = 128
   c.num_layers = 4
@@ -60,6 +63,10 @@ def get_config() -> ml_collections.ConfigDict:
       emit_fallback_events=True,        # a step that fell back calls back: alerts at once
   ))
   c.shared_expert = False     # a dense SwiGLU beside each MoE block's experts
+
+
+def _telemetry(c: ml_collections.ConfigDict) -> None:
+  """What the run records, the autopilot, the MoE metrics."""
   # The routed traffic, rows per (device, expert) and step: WORKDIR/traffic, for the planner
   # (`launch.capacity`); the directory keeps at most max_mib, newest first.
   c.traffic = ml_collections.ConfigDict(dict(record=True, max_mib=1024))
@@ -78,6 +85,10 @@ def get_config() -> ml_collections.ConfigDict:
   # MoE telemetry (TensorBoard tags, alerts); the training scalars are written either way.
   # False needs the layer's callbacks off too (moe.emit_fallback_events, moe.stream_step_stats).
   c.moe_metrics = True
+
+
+def _training(c: ml_collections.ConfigDict) -> None:
+  """Data, optimisation, skipped steps, evaluation, logging, checkpoints."""
   # Data: batches are a pure function of (seed, step), so resumption is exact.
   # source: 'stdlib' | 'synthetic' | 'files' (text files matching `pattern`, as bytes) |
   # 'array_record' (pre-tokenised int32 sequences in ArrayRecord files matching `pattern`).
@@ -112,4 +123,12 @@ def get_config() -> ml_collections.ConfigDict:
   c.log_every = 10            # fetch the steps' outputs from the device every this many steps
   c.checkpoint_every = 50
   c.checkpoints_to_keep = 3
+
+
+def get_config() -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+  _run(c)
+  _model(c)
+  _telemetry(c)
+  _training(c)
   return c

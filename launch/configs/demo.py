@@ -1,4 +1,5 @@
-"""Demo (`python -m launch.demo`): one MoE layer, 16 experts top-2, a buffer of the balanced rows."""
+"""Demo (`python -m launch.demo`): one MoE layer, 16 experts top-2, a buffer of the balanced
+rows."""
 import ml_collections
 
 from launch.configs import default

@@ -8,9 +8,9 @@ fallback frequency (steps with an overflowing layer) and the overflowing layers 
 Candidates are the multiples of `factor_step` up to the worst case. Two objectives:
 
 * `'throughput'` (the default): the timed fetch intervals (`observe_interval`) fit
-  `launch.planning.step_model`'s model, which predicts seconds per step at every candidate (the capped
-  step, plus the overflowing layers x the fallback's chunks x a chunk's time). Once a full
-  `window` has passed since the last change, move among the candidates whose predicted
+  `launch.planning.step_model`'s model, which predicts seconds per step at every candidate
+  (the capped step, plus the overflowing layers x the fallback's chunks x a chunk's time).
+  Once a full `window` has passed since the last change, move among the candidates whose predicted
   fallback frequency is at most `max_frequency` and that promise at least `min_gain` of the
   step and more than twice the prediction's standard error, and whose compile pays for
   itself within the steps left, to the one that saves the most time over the steps left,

@@ -2,7 +2,8 @@
 
     compiling the train step (the first step runs when it is compiled) ...
     first step: 23.4 s (compilation included)
-    step 120/200 | loss 2.031 | 9.1k tok/s | 0.44 s/step | 0.0153 TFLOP/s/dev | fallback 3/10 steps | factor 2 | ETA 0:00:35
+    step 120/200 | loss 2.031 | 9.1k tok/s | 0.44 s/step | 0.0153 TFLOP/s/dev | fallback 3/10
+        steps | factor 2 | ETA 0:00:35    (one line)
     done: steps 0-199 in 0:01:40 | loss 1.874 (eval 1.902) | fallback in 12% of steps | ...
 
 Progress comes once per fetch of the steps' outputs (`config.log_every` steps), from the

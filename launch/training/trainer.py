@@ -428,6 +428,7 @@ def _summary(run: _Run, reporter: Reporter, first: int, seconds: float, alerts: 
       f"loss {losses[-1]:.4g}{evaluated} | fallback in {totals.fallback_steps}/{totals.steps} "
       f"steps | dropped {totals.dropped_rows} rows | skipped {totals.skipped} non-finite" +
       (f" and {totals.spikes} spiking steps" if run.settings.config.spikes.enabled else " steps"))
+  tensorboard = cli.runnable("tensorboard", "--logdir", run.workdir)
   console.line(f"alerts: {alerts} new in {os.path.join(run.workdir, ALERTS_FILE)} | "
-               f"TensorBoard: {cli.runnable('tensorboard', '--logdir', run.workdir)} | checkpoints: "
+               f"TensorBoard: {tensorboard} | checkpoints: "
                f"{run.checkpoints.directory} (step {run.checkpoints.latest_step()})")
