@@ -31,7 +31,7 @@ from absl import app
 import moe_hk
 from launch.errors import UserError, user_errors
 from launch.planning import autopilot
-from launch.training import attention, data, model
+from launch.training import attention, data, model, spikes as spikes_lib
 from moe_hk import mesh as mesh_lib
 
 # The config files that ship with the launcher, wherever the command runs.
@@ -268,8 +268,9 @@ def _check_run(config: ml_collections.ConfigDict, layer: moe_hk.MoEConfig) -> No
            "the table's figure for the device kind).")
   spikes = config.spikes
   _require(spikes.sigma > 0, f"config.spikes.sigma={spikes.sigma} must be > 0.")
-  _require(spikes.window >= 2, f"config.spikes.window={spikes.window} must be >= 2 (the "
-           "applied steps a spike is judged against).")
+  _require(spikes.window >= spikes_lib.MIN_STEPS,
+           f"config.spikes.window={spikes.window} must be >= {spikes_lib.MIN_STEPS} (the applied "
+           "steps a spike is judged against).")
 
 
 def _one_of(key: str, value: object, valid: Sequence[str]) -> None:

@@ -82,7 +82,7 @@ def run_module(argv: list[str], one_core: bool = False) -> str:
   run = ["-c", _ON_ONE_CORE] if one_core else ["-m"]
   done = subprocess.run([sys.executable, *run, *argv], cwd=ROOT, capture_output=True,
                         text=True, check=False, env=dict(os.environ, XLA_FLAGS=" ".join(flags)))
-  assert done.returncode == 0, done.stderr[-3000:]
+  assert done.returncode == 0, f"exit status {done.returncode}:\n{done.stderr[-3000:]}"
   return done.stdout
 
 

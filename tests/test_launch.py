@@ -451,7 +451,7 @@ def test_a_lost_process_ends_the_run_in_one_line_and_the_rerun_resumes(baseline,
     ("autopilot.window", 2, None),  # only checked with the autopilot on: valid here
     ("data.source", "webdataset", "config.data.source='webdataset' must be one of 'stdlib', "
                                   "'synthetic', 'files', 'array_record'."),
-    ("spikes.window", 1, "config.spikes.window=1 must be >= 2"),
+    ("spikes.window", 3, "config.spikes.window=3 must be >= 4"),
 ])
 def test_bad_config_value_names_field_value_and_range(key, value, message):
   c = tiny_config()

@@ -4,8 +4,9 @@ With `config.spikes.enabled`, the train state carries a window of the last `wind
 steps' losses and global gradient norms (`SpikeWindow`, checkpointed with the state). A step
 whose loss or gradient norm is more than `sigma` standard deviations above the window's mean
 is a spike: its update is not applied (the same select that skips a non-finite step), and its
-values do not enter the window. Nothing is decided until the window holds `window // 8` steps
-(at least 2): a mean and a deviation need a few. Config: `config.spikes` (`enabled`, `sigma`,
+values do not enter the window. Nothing is decided until the window holds `window // 8` steps,
+and at least `MIN_STEPS`: the deviation of two or three early losses is no basis (it flagged an
+ordinary third step as a 7-sigma spike). Config: `config.spikes` (`enabled`, `sigma`,
 `window`).
 """
 from __future__ import annotations
@@ -14,6 +15,8 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+
+MIN_STEPS = 4  # applied steps in the window before any step is judged
 
 
 class SpikeWindow(NamedTuple):
@@ -43,7 +46,7 @@ def check(spikes: SpikeWindow, loss: jax.Array, grad_norm: jax.Array, sigma: flo
   mean = jnp.sum(jnp.where(mask, spikes.values, 0), axis=1) / n           # [2]
   spread = jnp.where(mask, spikes.values - mean[:, None], 0)
   std = jnp.sqrt(jnp.sum(spread ** 2, axis=1) / jnp.maximum(n - 1, 1))    # [2]
-  ready = held >= max(2, size // 8)
+  ready = held >= max(MIN_STEPS, size // 8)
   now = jnp.stack([loss, grad_norm]).astype(jnp.float32)
   return SpikeCheck(ready & jnp.any(now > mean + sigma * std), mean, std)
 
