@@ -188,9 +188,12 @@ def main(argv):
     timed = None if timing is None else capped_times(timing, traffic, factors, shards,
                                                      _TIME_STEPS.value, _TIME_ROUNDS.value)
     budget = _BUDGET.value * report.GIB if _BUDGET.value else None
+    # Measured memory or timed steps exist for the table's factors only: the pick is among
+    # them, so that every candidate is judged on the same evidence (an untimed factor priced
+    # by its FLOPs beside timed ones would win by the FLOPs' overstatement of a buffer's cost).
     advice = replay.advise(
         traffic, max_frequency=_MAX_FREQUENCY.value, target=_TARGET.value, expert_shards=shards,
-        factors=factors if _FACTORS.value or memory else None, timed=timed,
+        factors=factors if _FACTORS.value or memory or timed else None, timed=timed,
         fits=lambda f: budget is None or memory[f] <= budget)
     if advice.factor is not None and advice.factor not in factors:
       factors = sorted([*factors, advice.factor])
