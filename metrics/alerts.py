@@ -141,11 +141,13 @@ class AlertManager:
     bound = ("max_fallback_frequency" if evidence.get("objective") == "throughput" else
              "target_fallback_frequency")
     seconds = evidence.get("predicted_step_seconds")
+    # A trial's price is the FLOPs' lower bound (metrics.factor_advice).
+    at_best = " at best (a lower bound: its own steps will price it)" if reason == "trial" else ""
     message = (f"MoE autopilot [buffer_factor_changed] at step {step}: ragged_buffer_factor "
                f"{old:g} -> {new:g} ({reason}); " +
                (f"predicted {seconds['old']:.4g} s/step at {old:g}, {seconds['new']:.4g} at "
-                f"{new:g} (its compile pays back in {evidence['payback_steps']:.0f} steps); "
-                if seconds else "") +
+                f"{new:g}{at_best} (its compile pays back in {evidence['payback_steps']:.0f} "
+                "steps); " if seconds else "") +
                f"over the last {evidence.get('window_steps')} "
                f"steps the max required factor was {required:.3g}, the predicted fallback "
                f"frequency at {new:g} is {evidence.get('predicted_frequency', 0.0):.1%} "

@@ -18,6 +18,11 @@ factor in force. The rule (`advise`):
   more than `min_gain` of a step and by twice the two predictions' combined standard error, or
   when the factor in force is itself not admissible. Otherwise the evidence cannot separate
   the two, and no factor is named (the reason says which two, with their prices).
+  A price that is only a lower bound (the matmul FLOPs scaled down from a bigger measured
+  buffer: they overstate a smaller buffer's saving) is never named. When such a candidate
+  beats the factor the rule keeps by the same margin, the evidence cannot decide either: no
+  factor is named, and that candidate is the one to time (`Advice.trial`: `launch.capacity
+  --time_config` times it apart, the autopilot tries it and its intervals then price it).
 * Without a price (objective `'fallback_frequency'`): the smallest candidate whose fallback
   frequency on the evidence is at most `target`: with the default 1%, the smallest factor that
   would have avoided the fallback on all but 1% of the evidence's steps (on all of them when
@@ -32,8 +37,9 @@ import numpy as np
 
 FACTOR_STEP = 0.125  # candidate factors are its multiples (and the worst case)
 
-# price(factor, overflowing layers per step) -> (seconds per step, its standard error).
-Price = Callable[[float, float], tuple[float, float]]
+# price(factor, overflowing layers per step) -> (seconds per step, its standard error,
+# whether the seconds are only a lower bound).
+Price = Callable[[float, float], tuple[float, float, bool]]
 
 
 class Candidate(NamedTuple):
@@ -43,6 +49,7 @@ class Candidate(NamedTuple):
   overflowing_layers: float   # overflowing MoE layers per step, averaged
   seconds: float = math.nan   # predicted seconds per step (NaN without a price)
   se: float = math.nan        # its standard error (inf: one interval, no spread measured)
+  lower_bound: bool = False   # the seconds are only a lower bound (never named)
 
 
 class Advice(NamedTuple):
@@ -51,6 +58,7 @@ class Advice(NamedTuple):
   objective: str              # 'throughput' (priced) or 'fallback_frequency'
   reason: str                 # one sentence: what the factor optimises, or why there is none
   candidates: tuple[Candidate, ...]
+  trial: float | None = None  # a factor priced by a lower bound that might beat the pick
 
 
 def candidate_factors(worst_case: float, step: float = FACTOR_STEP,
@@ -83,8 +91,8 @@ def advise(required: np.ndarray, *, worst_case: float, current: float | None = N
   candidates = []
   for f in grid:
     frequency, layers = replay(required, f)
-    seconds, se = price(f, layers) if price is not None else (math.nan, math.nan)
-    candidates.append(Candidate(f, frequency, layers, seconds, se))
+    priced = price(f, layers) if price is not None else (math.nan, math.nan, False)
+    candidates.append(Candidate(f, frequency, layers, *priced))
   admissible = [c for c in candidates if c.fallback_frequency <= max_frequency and fits(c.factor)]
   steps = len(required)
   if not admissible:
@@ -113,24 +121,56 @@ def _covering(candidates: list[Candidate], admissible: list[Candidate], target: 
 
 def _fastest(candidates: list[Candidate], admissible: list[Candidate], current: float | None,
              min_gain: float, steps: int) -> Advice:
-  """The fastest admissible factor, when the prices separate it from the factor in force."""
+  """The fastest admissible factor with an estimated price, when the prices separate it from
+  the factor in force and no lower bound promises more (module docstring)."""
   priced = [c for c in admissible if math.isfinite(c.seconds)]
+  now = next((c for c in candidates if current is not None and c.factor == current), None)
+  advice = _fastest_estimated(candidates, [c for c in priced if not c.lower_bound], now,
+                              admissible, min_gain, steps)
+  bounds = [c for c in priced if c.lower_bound]
+  by_factor = {c.factor: c for c in candidates}
+  kept = now if advice.factor is None else by_factor[advice.factor]
+  if not bounds or kept is None:
+    return advice
+  trial = min(bounds, key=lambda c: c.seconds)
+  if not _beats(trial, kept, min_gain):
+    return advice
+  bound = (f"ragged_buffer_factor={trial.factor:g} may be faster than {kept.factor:g} "
+           f"({_price(kept)}), but its price, {_price(trial)}, is only a lower bound (the "
+           "matmul FLOPs scaled down from a bigger measured buffer overstate its saving)")
+  timing = (f"time {trial.factor:g} (launch.capacity --time_config=<the run's config>) or let "
+            "the autopilot try it")
+  if kept is not now:  # a move the estimates support: named, with the bound beside it
+    return advice._replace(reason=f"{advice.reason} {bound}: {timing}.", trial=trial.factor)
+  return Advice(None, "throughput", f"the evidence cannot decide: {bound}; keep "
+                f"{kept.factor:g} or {timing}.", tuple(candidates), trial.factor)
+
+
+def _beats(new: Candidate, old: Candidate, min_gain: float) -> bool:
+  """Whether `new` saves more than `min_gain` of `old`'s step and twice their combined
+  standard error (never when an error is unknown)."""
+  gain = old.seconds - new.seconds
+  return gain > max(min_gain * old.seconds, 2 * math.hypot(old.se, new.se))
+
+
+def _fastest_estimated(candidates: list[Candidate], priced: list[Candidate],
+                       now: Candidate | None, admissible: list[Candidate], min_gain: float,
+                       steps: int) -> Advice:
+  """The fastest of `priced` (admissible, estimated prices), when the prices separate it from
+  the factor in force (`now`)."""
   if not priced:
     return Advice(None, "throughput", "no admissible factor could be priced.", tuple(candidates))
   best = min(priced, key=lambda c: c.seconds)
-  now = next((c for c in candidates if current is not None and c.factor == current), None)
   chosen = (f"ragged_buffer_factor={best.factor:g}: the fewest predicted seconds per step "
             f"({_price(best)}) among the factors that fall back on at most the allowed share of "
             f"the last {steps} steps")
   if now is None or now.factor == best.factor or now not in admissible:
     return Advice(best.factor, "throughput", chosen + ".", tuple(candidates))
-  gain = now.seconds - best.seconds
-  noise = 2 * math.hypot(now.se, best.se)
-  if gain > max(min_gain * now.seconds, noise):
+  if _beats(best, now, min_gain):
     return Advice(best.factor, "throughput",
                   f"{chosen}; the factor in force, {now.factor:g}, takes {_price(now)}.",
                   tuple(candidates))
-  why = ("its error is unknown (one timed interval)" if not math.isfinite(noise) else
+  why = ("its error is unknown (one timed interval)" if not math.isfinite(now.se + best.se) else
          f"the gain is within twice the error or below {min_gain:.0%} of a step")
   return Advice(None, "throughput",
                 f"the timings cannot separate ragged_buffer_factor={best.factor:g} "

@@ -285,8 +285,9 @@ def _pilot(controller, compiles: list) -> autopilot.Autopilot:
 
 
 def test_a_move_that_measured_slower_is_undone_without_a_compile():
-  """The one-factor prior promises a smaller factor is faster; measured there, every step is
-  0.2 s slower. Once the new factor's window is in, the model (now a line through both
+  """The one-factor prior (the FLOPs, a lower bound for a smaller buffer) promises a smaller
+  factor is faster: the rule names none and the autopilot tries it; measured there, every step
+  is 0.2 s slower. Once the new factor's window is in, the model (now a line through both
   factors) prices the old factor fastest, and its program exists: the autopilot moves back
   with no compile, even with one step left."""
   required = _required(high=2.0)  # factors from 2.0 up fall back on at most half the steps
@@ -295,12 +296,21 @@ def test_a_move_that_measured_slower_is_undone_without_a_compile():
   pilot = _pilot(c, compiles)
   try:
     _feed(c, required, chunk_scale=0.01, noise=0.01)
+    trial = c.propose(steps_left=10_000, compile_seconds=30.0)
+    assert trial.reason == "trial" and c.advice().factor is None
+    assert c.advice().trial == trial.factor < 2.5
+    alert = AlertManager(worst_case_factor=2.5).factor_changed(20, 2.5, trial.factor,
+                                                               trial.reason, trial.evidence)
+    new = trial.evidence["predicted_step_seconds"]["new"]
+    assert "(trial); predicted " in alert.message
+    assert f"{new:.4g} at {trial.factor:g} at best (a lower bound" in alert.message
     pilot.observe_interval(2.5, 5, 0, 5 * (0.2 + 0.05 * 2.5), steps_left=10_000)
     moved = pilot.switch(20)
     assert moved is not None and moved.factor < 2.5 and compiles == [moved.factor]
     _feed(c, required, chunk_scale=0.01, noise=0.01, seed=1, slower=0.2)
     pilot.observe_interval(moved.factor, 5, 0, 5 * (0.2 + 0.05 * moved.factor + 0.2),
                            steps_left=1)
+    assert c.propose(steps_left=1, compiled={2.5}).reason == "faster"
     back = pilot.switch(40)
     assert back is not None and back.factor == 2.5 == c.factor
     assert compiles == [moved.factor]  # no second compile

@@ -9,6 +9,7 @@ import pytest
 
 from launch.errors import UserError
 from launch.planning import replay, step_model as step_time
+from metrics import factor_advice
 from metrics.traffic import RunShape, Timings, Traffic, TrafficRecorder, read_traffic
 from moe_hk import fallback
 from tests.test_capacity import K, META, SHARDS, TOKENS, skewed_counts
@@ -187,6 +188,42 @@ def test_the_pick_never_falls_back_more_than_allowed(timed_run):
   assert cheapest.factor == 1.0 and cheapest.fallback_frequency == 1.0
   assert advice.factor != cheapest.factor
   assert by_factor[advice.factor].fallback_frequency <= 0.5
+
+
+def test_a_factor_priced_by_the_flops_alone_is_timed_not_named(timed_run):
+  """`make train`'s case: the run measured one factor (3 here) and its capped step grows 2% a
+  unit of factor, the FLOPs 25%. Scaled down, the FLOPs price a smaller buffer more than 3%
+  cheaper: only a lower bound, so the rule names none and says which factor to time (a
+  control: the same prices as estimates name it). Timed apart (--time_config), the trial
+  saves 1.2%: the answer is still to keep 3, and no lower bound is left."""
+  _, traffic = timed_run
+  flat = lambda factor: 0.2 * (1 + 0.02 * factor)  # the true capped step
+  n = 20
+  rng = np.random.default_rng(0)
+  seconds = 10 * flat(3.0) * (1 + 0.01 * rng.standard_normal(n))
+  run = traffic._replace(factors=np.full_like(traffic.factors, 3.0), timings=Timings(
+      np.full(n, 3.0), np.full(n, 10), np.zeros(n, np.int64), np.zeros(n, np.int64), seconds))
+  advice = replay.advise(run, max_frequency=0.5, target=0.01)
+  by_factor = {c.factor: c for c in advice.candidates}
+  trial = by_factor[advice.trial]
+  assert advice.factor is None and trial.factor < 3.0 and trial.lower_bound
+  assert trial.fallback_frequency <= 0.5 and trial.seconds < 0.97 * by_factor[3.0].seconds
+  assert advice.reason.startswith("the evidence cannot decide: ragged_buffer_factor="
+                                  f"{trial.factor:g} may be faster than 3 ")
+  assert "only a lower bound" in advice.reason and "inf" not in advice.reason
+  assert all(c.lower_bound == (np.isfinite(c.seconds) and c.factor < 3.0)
+             for c in advice.candidates)
+  # The control: the same prices taken as estimates name the trial.
+  price = replay.rule_price(run)
+  named = factor_advice.advise(replay.required_factors(run), worst_case=4.0, current=3.0,
+                               price=lambda f, layers: (*price(f, layers)[:2], False))
+  assert named.factor == trial.factor
+  timed = {trial.factor: flat(trial.factor), 3.0: flat(3.0)}
+  again = replay.advise(run, max_frequency=0.5, target=0.01, factors=sorted(timed), timed=timed)
+  assert again.factor is None and again.trial is None
+  assert again.reason.startswith(f"the timings cannot separate ragged_buffer_factor="
+                                 f"{trial.factor:g} ")
+  assert again.reason.endswith("keep 3 or time more steps.")
 
 
 def test_the_pick_is_none_when_the_timings_cannot_separate_it(timed_run):

@@ -10,14 +10,16 @@ Candidates are the multiples of `factor_step` up to the worst case. Two objectiv
 * `'throughput'` (the default): the timed fetch intervals (`observe_interval`) fit
   `launch.planning.step_model`'s model, which predicts seconds per step at every candidate
   (the capped step, plus the overflowing layers x the fallback's chunks x a chunk's time).
-  Once a full `window` has passed since the last change, move among the candidates whose predicted
-  fallback frequency is at most `max_frequency` and that promise at least `min_gain` of the
-  step and more than twice the prediction's standard error, and whose compile pays for
-  itself within the steps left, to the one that saves the most time over the steps left,
-  its compile included (a factor compiled or compiling costs none, so a move that measures
-  slower than predicted is undone for free once the new factor's intervals correct the
-  model). While the window fills, the move the intervals already favour compiles ahead in
-  the background (once per change), so that it costs no compile when the window allows it.
+  Once a full `window` has passed since the last change, move to the factor the shared rule
+  names (`metrics.factor_advice`: the fastest whose predicted fallback frequency is at most
+  `max_frequency`, when it saves at least `min_gain` of the step and more than twice the
+  prediction's standard error), or, when the rule cannot decide because a smaller factor is
+  priced only by a lower bound (the FLOPs), to that factor as a trial: its own intervals then
+  price it. Either move is made only when its compile pays for itself within the steps left
+  at its price (a factor compiled or compiling costs none, so a move that measures slower
+  than predicted is undone for free once the new factor's intervals correct the model).
+  While the window fills, the move the intervals already favour compiles ahead in the
+  background (once per change), so that it costs no compile when the window allows it.
   The guard: when the fallback ran on more than `max_frequency` of the last `window // 4`
   steps, raise at once to the smallest candidate whose predicted frequency is at most
   `max_frequency`.
@@ -52,7 +54,7 @@ OBJECTIVES = ("throughput", "fallback_frequency")
 
 class Decision(NamedTuple):
   factor: float       # the factor to move to
-  reason: str         # 'lower', 'raise' or 'faster' (the throughput objective)
+  reason: str         # 'lower', 'raise', or 'faster' or 'trial' (the throughput objective)
   evidence: dict      # what the window showed (for the alert)
 
 
@@ -226,20 +228,25 @@ class FactorController:
 
   def _move(self, steps_left: int | None, compile_seconds: float,
             compiled: Collection[float]):
-    """The throughput objective's move: the rule's factor, as (factor, its candidate, the
-    factor in force's, the compile it costs, the rule's reason), when it differs from the
-    factor in force and its compile (none for the factors in `compiled`) pays back within
-    `steps_left`; else None."""
+    """The throughput objective's move: the rule's factor, else the factor it says to time
+    (`Advice.trial`: its intervals then price it), as (factor, its candidate, the factor in
+    force's, the compile it costs, the rule's reason, 'faster' or 'trial'), when it differs
+    from the factor in force and its compile (none for the factors in `compiled`) pays back
+    within `steps_left` at its price; else None."""
     advice = self.advice()
-    if advice.objective != "throughput" or advice.factor in (None, self.factor):
+    if advice.objective != "throughput":
+      return None
+    named = advice.factor not in (None, self.factor)
+    factor = advice.factor if named else advice.trial
+    if factor is None:
       return None
     by_factor = {c.factor: c for c in advice.candidates}
-    new, now = by_factor[advice.factor], by_factor[self.factor]
-    cost = 0.0 if any(math.isclose(advice.factor, c) for c in compiled) else compile_seconds
+    new, now = by_factor[factor], by_factor[self.factor]
+    cost = 0.0 if any(math.isclose(factor, c) for c in compiled) else compile_seconds
     gain = now.seconds - new.seconds
     if steps_left is not None and not (gain > 0 and cost / gain < steps_left):
       return None
-    return advice.factor, new, now, cost, advice.reason
+    return factor, new, now, cost, advice.reason, "faster" if named else "trial"
 
   def _faster(self, evidence: dict, steps_left: int | None, compile_seconds: float,
               compiled: Collection[float]) -> Decision | None:
@@ -247,8 +254,8 @@ class FactorController:
     move = self._move(steps_left, compile_seconds, compiled)
     if move is None:
       return None
-    factor, new, now, cost, reason = move
-    return Decision(factor, "faster", {
+    factor, new, now, cost, reason, kind = move
+    return Decision(factor, kind, {
         **evidence, "predicted_frequency": new.fallback_frequency, "advice": reason,
         "predicted_step_seconds": {"old": now.seconds, "new": new.seconds},
         "predicted_step_seconds_se": {"old": now.se, "new": new.se},

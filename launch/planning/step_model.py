@@ -18,7 +18,8 @@ errors from the residuals. To price a factor that has not run (`StepTimeModel`):
   `StepFlops.fixed + f * StepFlops.per_factor` (`step_flops`): the expert matmuls over the
   receive buffer, whose rows are f x balanced; the rest does not depend on f. The FLOPs
   overstate a bigger buffer's cost where the grouped matmul skips its empty rows (measured on
-  this CPU: +30% a unit of factor against +5-8%).
+  this CPU: +30% a unit of factor against +5-8%), so scaled down to a smaller buffer they
+  give a lower bound of its step, not an estimate (`lower_bound`; scaled up, an upper bound).
 * `chunk(f)`: a chunk runs one MoE layer's experts over a buffer of R(f) rows, so its time is
   proportional to f: the measured chunk times over their factors, averaged, times f. Where no
   interval separates the chunk's time from the step's (no fallback ran, or the fallback ran
@@ -160,9 +161,21 @@ class StepTimeModel:
     known = {f: e for f, e in fits.items() if math.isfinite(e.se)}
     if len(known) >= 2:
       return _line(known, factor)
-    base = next(iter(known), None) or min(fits, key=lambda f: abs(f - factor))
+    base = self._flops_base(factor)
     scale = self.flops.at(factor) / self.flops.at(base)
     return Estimate(fits[base].seconds * scale, fits[base].se * scale)
+
+  def _flops_base(self, factor: float) -> float:
+    """The measured factor the FLOPs scale to `factor` from: the one whose error is known
+    (the FLOPs are used with at most one), else the nearest measured."""
+    known = [fit.factor for fit in self.fits if math.isfinite(fit.capped.se)]
+    return known[0] if known else min((fit.factor for fit in self.fits),
+                                      key=lambda f: abs(f - factor))
+
+  def lower_bound(self, factor: float) -> bool:
+    """Whether `capped(factor)` is only a lower bound: the FLOPs scaled down to a smaller
+    buffer than the measured one overstate its saving (module docstring)."""
+    return self.basis(factor) == "flops" and factor < self._flops_base(factor)
 
   def basis(self, factor: float) -> str:
     """What `capped(factor)` rests on: 'measured' (the run's intervals at it), 'timed' (capped
@@ -242,14 +255,15 @@ def rule_price(timings: Timings, flops: StepFlops, chunks: Callable[[float], flo
   """The factor rule's price (`metrics.factor_advice.Price`) from timed intervals:
   `StepTimeModel.step` at a factor whose overflowing layers per step each run
   `chunks(factor)` fallback chunks (NaN: no fallback fits that factor's buffer, so it is not
-  priced); None without a timed interval."""
+  priced), and whether it is only a lower bound (`StepTimeModel.lower_bound`); None without a
+  timed interval."""
   if not len(timings.seconds):
     return None
   model = StepTimeModel(timings, flops, timed)
 
-  def price(factor: float, overflowing_layers: float) -> tuple[float, float]:
+  def price(factor: float, overflowing_layers: float) -> tuple[float, float, bool]:
     per_layer = chunks(factor)
     if not math.isfinite(per_layer):
-      return math.nan, math.nan
-    return tuple(model.step(factor, overflowing_layers * per_layer))
+      return math.nan, math.nan, False
+    return (*model.step(factor, overflowing_layers * per_layer), model.lower_bound(factor))
   return price
