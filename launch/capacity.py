@@ -37,8 +37,9 @@ falls back on at most the target share. The last line says which, or why none. -
 (or a compiled memory budget) restricts the candidates to the rows.
 
 --time_config is the run's own config (its shapes must be the run's); it compiles and runs
-one program per factor here, so it wants the machine the run trained on, idle, and cannot go
-with --compile_topology (run the two separately).
+one program per factor here (without --factors: the default rows and the factor the run's own
+evidence names or says to time), so it wants the machine the run trained on, idle, and cannot
+go with --compile_topology (run the two separately).
 
 `--expert_shards` regroups the same devices (same tokens per device) into expert groups of that
 size (unpriced: the timings are the recorded size's). Prints a markdown table, or a JSON list
@@ -185,9 +186,14 @@ def main(argv):
     factors = replay.factor_list(_FACTORS.value, traffic)
     memory = (dict(zip(factors, memory_per_factor(_AOT_CONFIG.value, topology, factors, shards,
                                                   traffic))) if topology else None)
+    budget = _BUDGET.value * report.GIB if _BUDGET.value else None
+    if timing is not None and not _FACTORS.value:
+      # The run's own evidence names a factor, or one to time: --time_config times it too.
+      first = replay.advise(traffic, max_frequency=_MAX_FREQUENCY.value, target=_TARGET.value,
+                            expert_shards=shards)
+      factors = sorted({*factors, *(f for f in (first.factor, first.trial) if f is not None)})
     timed = None if timing is None else capped_times(timing, traffic, factors, shards,
                                                      _TIME_STEPS.value, _TIME_ROUNDS.value)
-    budget = _BUDGET.value * report.GIB if _BUDGET.value else None
     # Measured memory or timed steps exist for the table's factors only: the pick is among
     # them, so that every candidate is judged on the same evidence (an untimed factor priced
     # by its FLOPs beside timed ones would win by the FLOPs' overstatement of a buffer's cost).

@@ -190,19 +190,33 @@ def test_the_pick_never_falls_back_more_than_allowed(timed_run):
   assert by_factor[advice.factor].fallback_frequency <= 0.5
 
 
-def test_a_factor_priced_by_the_flops_alone_is_timed_not_named(timed_run):
-  """`make train`'s case: the run measured one factor (3 here) and its capped step grows 2% a
-  unit of factor, the FLOPs 25%. Scaled down, the FLOPs price a smaller buffer more than 3%
-  cheaper: only a lower bound, so the rule names none and says which factor to time (a
-  control: the same prices as estimates name it). Timed apart (--time_config), the trial
-  saves 1.2%: the answer is still to keep 3, and no lower bound is left."""
-  _, traffic = timed_run
-  flat = lambda factor: 0.2 * (1 + 0.02 * factor)  # the true capped step
-  n = 20
+def flat(factor):  # seconds: a capped step that grows 2% a unit of factor (the FLOPs: 25%)
+  return 0.2 * (1 + 0.02 * factor)
+
+
+@pytest.fixture(scope="module")
+def flat_run(tmp_path_factory):
+  """`make train`'s case: the timed run's traffic at factor 3, where nothing overflows, each
+  file one interval of 10 steps timed by `flat` (1% noise)."""
+  workdir = tmp_path_factory.mktemp("flat")
+  counts = skewed_counts(3, 200)
+  recorder = TrafficRecorder(str(workdir), **META,
+                             shape=RunShape(SEQ, False, 0, FLOPS.fixed, FLOPS.per_factor))
   rng = np.random.default_rng(0)
-  seconds = 10 * flat(3.0) * (1 + 0.01 * rng.standard_normal(n))
-  run = traffic._replace(factors=np.full_like(traffic.factors, 3.0), timings=Timings(
-      np.full(n, 3.0), np.full(n, 10), np.zeros(n, np.int64), np.zeros(n, np.int64), seconds))
+  for first in range(0, 200, 10):
+    seconds = 10 * flat(3.0) * (1 + 0.01 * rng.standard_normal())
+    recorder.append(range(first, first + 10), counts[first:first + 10], [3.0] * 10,
+                    np.zeros((10, 3), np.int32), seconds)
+  return workdir, read_traffic(str(workdir))
+
+
+def test_a_factor_priced_by_the_flops_alone_is_timed_not_named(flat_run):
+  """The run measured one factor (3) and its capped step grows 2% a unit of factor, the
+  FLOPs 25%. Scaled down, the FLOPs price a smaller buffer more than 3% cheaper: only a lower
+  bound, so the rule names none and says which factor to time (the control: the same prices
+  as estimates name it). Timed apart (--time_config), the trial saves about 1%: the answer is
+  still to keep 3, and no lower bound is left."""
+  _, run = flat_run
   advice = replay.advise(run, max_frequency=0.5, target=0.01)
   by_factor = {c.factor: c for c in advice.candidates}
   trial = by_factor[advice.trial]
@@ -224,6 +238,25 @@ def test_a_factor_priced_by_the_flops_alone_is_timed_not_named(timed_run):
   assert again.reason.startswith(f"the timings cannot separate ragged_buffer_factor="
                                  f"{trial.factor:g} ")
   assert again.reason.endswith("keep 3 or time more steps.")
+
+
+def test_time_config_times_the_factor_the_evidence_says_to_time(flat_run, capsys, monkeypatch):
+  """Without --factors, --time_config times the default rows, the run's factor and the trial
+  the untimed rule names, and decides on those times (the compile and run replaced by the
+  true capped step)."""
+  from launch import capacity
+  workdir, run = flat_run
+  asked = []
+  def capped_times(config, traffic, factors, *args):
+    asked.extend(factors)
+    return {f: flat(f) for f in [*factors, 3.0]}
+  monkeypatch.setattr(capacity, "capped_times", capped_times)
+  time_main(monkeypatch, f"--workdir={workdir}", *TIME_CONFIG)
+  out = capsys.readouterr().out
+  trial = replay.advise(run, max_frequency=0.5, target=0.01).trial
+  assert sorted(asked) == sorted({*replay.DEFAULT_FACTORS, 3.0, trial})
+  assert f"\n| {trial:g} | " in out and "pick: none (throughput): the timings cannot " in out
+  assert "lower bound" not in out
 
 
 def test_the_pick_is_none_when_the_timings_cannot_separate_it(timed_run):
