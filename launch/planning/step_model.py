@@ -32,6 +32,7 @@ window), times `fallback_chunks(f)`.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable, Mapping, NamedTuple, Sequence
 
@@ -211,9 +212,13 @@ class StepTimeModel:
 
   def step(self, factor: float, chunks_per_step: float) -> Estimate:
     """Seconds of a step at `factor` whose fallbacks run `chunks_per_step` chunks on average."""
-    capped, chunk = self.capped(factor), self.chunk(factor)
-    return Estimate(capped.seconds + chunks_per_step * chunk.seconds,
-                    math.hypot(capped.se, chunks_per_step * chunk.se))
+    return _with_chunks(self.capped(factor), self.chunk(factor), chunks_per_step)
+
+
+def _with_chunks(capped: Estimate, chunk: Estimate, chunks_per_step: float) -> Estimate:
+  """A capped step plus `chunks_per_step` fallback chunks."""
+  return Estimate(capped.seconds + chunks_per_step * chunk.seconds,
+                  math.hypot(capped.se, chunks_per_step * chunk.se))
 
 
 def _weights(ses: Sequence[float]) -> np.ndarray:
@@ -256,14 +261,23 @@ def rule_price(timings: Timings, flops: StepFlops, chunks: Callable[[float], flo
   `StepTimeModel.step` at a factor whose overflowing layers per step each run
   `chunks(factor)` fallback chunks (NaN: no fallback fits that factor's buffer, so it is not
   priced), and whether it is only a lower bound (`StepTimeModel.lower_bound`); None without a
-  timed interval."""
+  timed interval. What depends on the factor alone is computed once per factor (the telemetry
+  prices every candidate at every step)."""
   if not len(timings.seconds):
     return None
   model = StepTimeModel(timings, flops, timed)
 
-  def price(factor: float, overflowing_layers: float) -> tuple[float, float, bool]:
+  @functools.cache
+  def at(factor: float) -> tuple[float, Estimate, Estimate, bool] | None:
     per_layer = chunks(factor)
     if not math.isfinite(per_layer):
+      return None
+    return per_layer, model.capped(factor), model.chunk(factor), model.lower_bound(factor)
+
+  def price(factor: float, overflowing_layers: float) -> tuple[float, float, bool]:
+    known = at(factor)
+    if known is None:
       return math.nan, math.nan, False
-    return (*model.step(factor, overflowing_layers * per_layer), model.lower_bound(factor))
+    per_layer, capped, chunk, lower_bound = known
+    return (*_with_chunks(capped, chunk, overflowing_layers * per_layer), lower_bound)
   return price
