@@ -1,7 +1,7 @@
 """The default job with the buffer-factor autopilot against fixed factors, in interleaved rounds.
 
   python -m benchmarks.autopilot_run [--workdir=DIR --steps=400 --rounds=3
-      --runs=auto,fixed1.5,fixed2,fixed2.5,fixed3,worst --from_step=100 --time_steps=5
+      --runs=auto,fixed1.5,fixed2,fixed2.5,fixed3,worst --from_step=100
       --results=autopilot_run]
 
 Trains the default config (8 simulated CPU devices) from scratch once per run and round: the
@@ -11,15 +11,11 @@ Round r runs every run once, the order rotated by r, so a slow stretch of the ma
 fall on one run. Per run and round: tokens/s over steps `--from_step`..`--steps` (the wall time
 between the event files' points of those steps: evals, checkpoints and the autopilot's
 compiles included, the first compile not), the autopilot's factor schedule, the fallback
-frequency, rows dropped, and the largest difference of its loss curve from the first fixed
-run's. Then, per run, the median tokens/s over the rounds and their spread, the autopilot's
-median over the best fixed run's, and `launch.capacity`'s predicted relative step time per
-factor (from the first fixed run's recorded traffic and timings, 1.0 at its factor) beside the
-measured one (the medians' seconds per step, in the same ratio): priced by the matmul FLOPs,
-and, after the rounds, by the default config's capped steps timed per factor
-(`launch.planning.capped_timing`, 10 bursts of `--time_steps` steps each; 0 skips it), as
-`launch.capacity --time_config` does. The runs stay in `--workdir` (`DIR/<run>-r<round>`).
-JSON, then tables.
+frequency, rows dropped, the largest difference of its loss curve from the first fixed
+run's, and the factor rule's answer on its recorded traffic (`launch.capacity`'s pick, with
+its basis). Then, per run, the median tokens/s over the rounds and their spread, and the
+autopilot's median over the best fixed run's. The runs stay in `--workdir`
+(`DIR/<run>-r<round>`). JSON, then a table.
 """
 from __future__ import annotations
 
@@ -34,8 +30,9 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from tensorboard.util import tensor_util
 
 from launch import platform, results, settings as settings_lib
-from launch.planning import capped_timing, replay
+from launch.planning import replay
 from launch.training import trainer
+from metrics import factor_rule
 from metrics.traffic import read_traffic
 
 START = 3.0  # the autopilot's first factor
@@ -83,25 +80,15 @@ def run(name: str, path: str, steps: int, from_step: int) -> dict:
           changes.append({"step": alert["step"], "from": d["old_factor"], "to": d["new_factor"],
                           "reason": d["reason"]})
   tokens = settings.config.data.batch_size * settings.config.data.seq_len
+  advice = replay.advise(replay.window(read_traffic(path), 100), rule=factor_rule.Rule())
   return {"run": name, "factor": settings.layer.ragged_buffer_factor, "autopilot": fixed is None,
           "changes": changes, "final_factor": factors[last],
+          "planner_pick": advice.factor, "planner_basis": advice.basis,
+          "planner_reason": advice.reason,
           "fallback_frequency": float(np.mean([fell_back[s][1] > 0 for s in range(steps)])),
           "max_dropped_rows_fraction": max(v for _, v in dropped.values()),
           "tokens_per_second": tokens * (last - first) / (times[last] - times[first]),
           "losses": losses}
-
-
-def predicted(workdir: str, factors: list[float],
-              timed: dict[float, float] | None = None) -> dict[float, float]:
-  """The planner's relative step time per factor, from the run in `workdir` (its prices,
-  scaled by the `timed` capped steps: `launch.planning.replay.advise`)."""
-  traffic = read_traffic(workdir)
-  advice = replay.advise(traffic, max_frequency=1.0, target=0.01, factors=factors, timed=timed)
-  if advice.objective != "throughput":
-    return {}
-  current = replay.run_factor(traffic)
-  seconds = {c.factor: c.seconds for c in advice.candidates}
-  return {f: seconds[f] / seconds[current] for f in factors}
 
 
 def main():
@@ -112,7 +99,6 @@ def main():
   parser.add_argument("--rounds", type=int, default=3)
   parser.add_argument("--from_step", type=int, default=100)
   parser.add_argument("--runs", default="auto,fixed1.5,fixed2,fixed2.5,fixed3,worst")
-  parser.add_argument("--time_steps", type=int, default=5)
   results.add_argument(parser, "autopilot_run")
   args = parser.parse_args()
   names = args.runs.split(",")
@@ -139,48 +125,29 @@ def main():
                 float(max(rd[i]["tokens_per_second"] for rd in rounds)))
             for i, n in enumerate(names)}
   best = max(fixed, key=median.get) if fixed else None
-  factors = {n: (f if (f := factor_of(n)) > 0 else _worst()) for n in fixed}
-  first = os.path.join(args.workdir, f"{fixed[0]}-r0") if fixed else None
-  prediction = predicted(first, sorted(set(factors.values()))) if fixed else {}
-  # The worst case is timed at -1 and priced at its factor, as the planner does.
-  timed = (capped_timing.capped_step_seconds(default_settings(), [factor_of(n) for n in fixed],
-                                             steps=args.time_steps)
-           if prediction and args.time_steps > 0 else {})
-  timed_prediction = predicted(first, sorted(set(factors.values())), timed) if timed else {}
   summary = {"rounds": rounds, "median_tokens_per_second": median, "spread": spread,
              "best_fixed": best,
              "autopilot_over_best_fixed": (median["auto"] / median[best]
-                                           if "auto" in median and best else None),
-             "predicted_relative_step_time": {str(k): v for k, v in prediction.items()},
-             "capped_step_seconds": {str(k): v for k, v in timed.items()},
-             "predicted_relative_step_time_timed": {str(k): v
-                                                    for k, v in timed_prediction.items()},
-             # Seconds per step over the first fixed run's: its tokens/s over this run's.
-             "measured_relative_step_time": {n: median[fixed[0]] / median[n] for n in fixed}}
+                                           if "auto" in median and best else None)}
   results.publish(args.results, summary)
   print("\n| run | tokens/s (median) | spread over rounds | factor schedule (round 0) | "
-        "fallback frequency | dropped rows (max fraction) | max loss difference |")
-  print("|---|---|---|---|---|---|---|")
+        "fallback frequency | dropped rows (max fraction) | max loss difference | the rule's "
+        "pick on its traffic (round 0) |")
+  print("|---|---|---|---|---|---|---|---|")
   for i, n in enumerate(names):
     r0 = rounds[0][i]
     schedule = " -> ".join([f"{r0['factor']:g}"] + [f"{c['to']:g} ({c['reason']}, step "
                                                      f"{c['step']})" for c in r0["changes"]])
     print(f"| {n} | {median[n]:.0f} | {spread[n][0]:.0f}-{spread[n][1]:.0f} | {schedule} | "
           f"{r0['fallback_frequency']:.2f} | {r0['max_dropped_rows_fraction']:g} | "
-          f"{r0['max_loss_difference']:.2g} |")
+          f"{r0['max_loss_difference']:.2g} | {_pick(r0)} |")
   if "auto" in median and best:
     print(f"\nautopilot / best fixed ({best}): {median['auto'] / median[best]:.3f}")
-  if prediction:
-    print(f"\n| factor | predicted relative step time (planner, {fixed[0]} round 0): "
-          "FLOPs | timed capped steps | measured (medians) | measured, rounds' range |")
-    print("|---|---|---|---|---|")
-    for n in fixed:
-      f = factors[n]
-      ratios = [rd[names.index(fixed[0])]["tokens_per_second"] /
-                rd[names.index(n)]["tokens_per_second"] for rd in rounds]
-      print(f"| {n} ({f:g}) | {prediction.get(f, float('nan')):.3f} | "
-            f"{timed_prediction.get(f, float('nan')):.3f} | "
-            f"{median[fixed[0]] / median[n]:.3f} | {min(ratios):.3f}-{max(ratios):.3f} |")
+
+
+def _pick(run: dict) -> str:
+  pick = run["planner_pick"]
+  return "none" if pick is None else f"{pick:g} ({run['planner_basis']})"
 
 
 def default_settings(**overrides) -> settings_lib.Settings:
@@ -188,12 +155,6 @@ def default_settings(**overrides) -> settings_lib.Settings:
   config = settings_lib.load(os.path.join(settings_lib.CONFIGS, "default.py"),
                              [(key, str(value)) for key, value in overrides.items()])
   return settings_lib.build(config, jax.device_count())
-
-
-def _worst() -> float:
-  """The default job's worst-case factor, min(P, E / K)."""
-  layer = default_settings().layer
-  return min(default_settings().expert_shards, layer.num_experts / layer.num_experts_per_tok)
 
 
 if __name__ == "__main__":

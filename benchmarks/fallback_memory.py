@@ -26,7 +26,7 @@ from jax.sharding import NamedSharding
 
 import moe_hk
 from launch import platform as launch_platform, results
-from launch.compiling import memory, topology
+from launch.training import memory, topology
 from launch.compiling.variants import unrolled_chunks
 from moe_hk import mesh as mesh_lib
 

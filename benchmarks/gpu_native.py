@@ -503,7 +503,6 @@ def _time_trainer(overrides, shapes: Shapes) -> dict:
   steps (each window ends by blocking on the state and the step's outputs)."""
   import jax
   from benchmarks import timing
-  from launch.planning import step_model
   from launch.training import data as data_lib, throughput
   device = jax.devices()[0]
   runs, out = {}, {"backends": {}}
@@ -514,8 +513,7 @@ def _time_trainer(overrides, shapes: Shapes) -> dict:
       data = data_lib.make_data(config)
       batches = [jax.device_put(data.train_batch(i), steps.batch_sharding) for i in range(4)]
       box = {"state": steps.init(jax.random.key(config.seed)), "i": 0}
-      flops = throughput.model_flops(step_model.step_flops(box["state"].params, config,
-                                                           settings.layer))
+      flops = throughput.model_flops(box["state"].params, config, settings.layer)
 
       def window(box=box, steps=steps, batches=batches):
         for _ in range(shapes.steps):

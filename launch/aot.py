@@ -10,7 +10,7 @@ same step as `launch.train` (`launch.compiling.variants`); by default only the v
 config trains (its pre-flight check), `all` for every one. Prints JSON, then a table of
 per-device memory (arguments + outputs + temporaries - aliased) from
 `compiled.memory_analysis()`, and the step's matmul FLOPs (all devices, loops at their trip
-counts: `launch.planning.flops`; XLA's `cost_analysis()` counts a loop body once, so it is in
+counts: `launch.compiling.flops`; XLA's `cost_analysis()` counts a loop body once, so it is in
 the JSON only) beside 6 x active parameters x tokens. A variant whose temporaries exceed the
 chip's HBM does not compile for TPU; its row then shows the compiler's stated temporaries
 plus the argument shards. The figures go to `benchmarks/results/<--results>.json` too.

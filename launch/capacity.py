@@ -7,8 +7,9 @@
 
 The evidence is the last `--window` recorded steps (WORKDIR/traffic/, `metrics.traffic`; 0: all
 of them; the default is the window the run's alerts and autopilot weigh) and the run's timed
-intervals. For each `ragged_buffer_factor` (default: 1,1.25,1.5,2,3, the run's own and the
-pick) the capped buffer of R rows per receiving shard is replayed on every step and MoE layer:
+intervals. For each `ragged_buffer_factor` (default: 1,1.25,1.5,2,3, the run's own, the
+factors it timed and the pick) the capped buffer of R rows per receiving shard is replayed on
+every step and MoE layer:
 
   fallback_frequency       fraction of steps with >= 1 overflowing layer: the fallback would run
   overflowing_layers_mean  overflowing MoE layers per step, averaged over the steps
@@ -17,34 +18,31 @@ pick) the capped buffer of R rows per receiving shard is replayed on every step 
   expert_shards            P, the expert-parallel size the traffic is grouped for
   memory_bytes_per_device  (with --aot_config) the config's train step, capped + `layer`
                            fallback, compiled by `launch.aot` for --compile_topology
-  step_seconds             (when the run timed its steps) predicted seconds per step:
-                           `launch.planning.step_model`'s model of the run's timed intervals,
-                           with the fallback chunks replayed at the factor; step_seconds_se its
-                           standard error (null when not known: one timed interval)
-  relative_step_time       step_seconds over the factor in force's (the run's newest)
-  capped_step_seconds      (with --time_config) one capped step of that config at the factor,
-                           timed on this machine's devices (`launch.planning.capped_timing`):
-                           it scales the run's measured step to the factors the run did not
-                           train at, in place of the matmul FLOPs (which overstate a bigger
-                           buffer's cost where the grouped matmul skips its empty rows)
+  step_seconds             seconds per step measured at the factor, step_seconds_se its
+                           standard error (null when not known: one interval), and `basis`:
+                           'measured' (the run's own clean intervals at it, fallbacks
+                           included), 'timed' (with --time_config: a capped step of that config
+                           timed here), null (never timed: no price)
+  relative_step_time       step_seconds over the factor in force's (same basis)
   pick                     whether this is the factor the rule names
 
-The pick is the rule the alerts and the autopilot follow (`metrics.factor_advice`), with their
-defaults for --max_fallback_frequency and --target_fallback_frequency: priced by the run's
-timings, the fastest factor that falls back on at most the maximum share of steps, when its
-gain over the factor in force is larger than its error; unpriced, the smallest factor that
-falls back on at most the target share. The last line says which, or why none. --factors
-(or a compiled memory budget) restricts the candidates to the rows.
+The pick is the rule the alerts, the recommendation tag and the autopilot follow
+(`metrics.factor_rule`, with their defaults): the smallest factor that falls back on at most
+--target_fallback_frequency of the steps, unless a measured factor is faster than it beyond
+the noise (and falls back on at most --max_fallback_frequency). The last line says which, or
+why none; the pick is always a row of the table. With --format=json the output is one object:
+`pick`, `reason`, `basis`, `window_steps`, `rows`, and the `command`, `commit`, `date` and
+`machine`.
 
 --time_config is the run's own config (its shapes must be the run's); it compiles and runs
-one program per factor here (without --factors: the default rows and the factor the run's own
-evidence names or says to time), so it wants the machine the run trained on, idle, and cannot
-go with --compile_topology (run the two separately).
+one capped program per factor here, printing its progress, and prices the factors by those
+times instead of the run's intervals (without --factors it times the default rows, the run's
+factor and the rule's unpriced pick). It wants the machine the run trained on, idle, and
+cannot go with --compile_topology (run the two separately).
 
 `--expert_shards` regroups the same devices (same tokens per device) into expert groups of that
-size (unpriced: the timings are the recorded size's). Prints a markdown table, or a JSON list
-with --format=json; writes WORKDIR/capacity.png. Traffic files it cannot use are skipped, a
-warning each; the table's first line counts them.
+size (unpriced: the timings are the recorded size's). Writes WORKDIR/capacity.png. Traffic
+files it cannot use are skipped, a warning each; the table's first line counts them.
 """
 import json
 import os
@@ -55,10 +53,11 @@ import jax
 import ml_collections
 from absl import app, flags
 
-from launch import cli, platform, settings as settings_lib
+from launch import cli, platform, results as results_lib, settings as settings_lib
 from launch.compiling import topology as topology_lib
 from launch.errors import user_errors
 from launch.planning import capacity_report as report, replay
+from metrics import factor_rule
 from metrics.traffic import Traffic, read_traffic
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Workdir of a launch.train run (its traffic/).",
@@ -69,13 +68,16 @@ _FACTORS = flags.DEFINE_list("factors", None, "Buffer factors to replay (and to 
 _WINDOW = flags.DEFINE_integer("window", 100, "The recorded steps to weigh: the last this many "
                                "(the run's alerts and autopilot weigh config.autopilot.window, "
                                "100 by default); 0: all.")
-_MAX_FREQUENCY = flags.DEFINE_float("max_fallback_frequency", 0.5, "No factor that falls back on "
-                                    "more than this share of the steps is picked (priced).")
-_TARGET = flags.DEFINE_float("target_fallback_frequency", 0.01, "Unpriced, the pick is the "
+_MAX_FREQUENCY = flags.DEFINE_float("max_fallback_frequency", 0.5, "No faster measured factor "
+                                    "that falls back on more than this share is picked.")
+_TARGET = flags.DEFINE_float("target_fallback_frequency", 0.01, "The frequency rule: the "
                              "smallest factor that falls back on at most this share.")
+_MIN_STEPS = flags.DEFINE_integer("min_steps", 20, "Below this many steps of evidence the rule "
+                                  "names no factor (the run's config.autopilot.min_steps).")
 _EXPERT_SHARDS = flags.DEFINE_integer("expert_shards", None, "Expert-parallel size to regroup "
                                       "the traffic for; default: the run's.")
-_FORMAT = flags.DEFINE_enum("format", "table", ["table", "json"], "Markdown table or JSON list.")
+_FORMAT = flags.DEFINE_enum("format", "table", ["table", "json"], "Markdown table or one JSON "
+                            "object (pick, reason, rows).")
 _BUDGET = flags.DEFINE_float("memory_budget_gib", 0.0, "With --aot_config: the pick must fit "
                              "this many GiB per device (0: no budget).")
 _AOT_CONFIG = cli.define_config(
@@ -83,7 +85,7 @@ _AOT_CONFIG = cli.define_config(
     "config's train step per factor and report its memory per device.")
 _TIME_CONFIG = cli.define_config(
     "time_config", None, "The run's config: time its capped train step per factor on this "
-    "machine's devices, and price the factors from those times.")
+    "machine's devices, and price the factors by those times ('timed').")
 _TIME_STEPS = flags.DEFINE_integer("time_steps", 5, "With --time_config: steps per timed burst.")
 _TIME_ROUNDS = flags.DEFINE_integer("time_rounds", 10, "With --time_config: bursts per factor.")
 _TOPOLOGY = topology_lib.topology_flag(None, "With --aot_config: the topology to compile for, "
@@ -99,7 +101,7 @@ def memory_per_factor(config: ml_collections.ConfigDict, topology: str,
   """
   # Loaded only when a compile is asked for.
   from launch.compiling import variants
-  from launch.planning import programs
+  from launch.training import programs
   devices = topology_lib.topology_devices(topology)
   data = config.mesh.data
   fsdp, rest = divmod(len(devices), data * expert_shards)
@@ -114,11 +116,11 @@ def memory_per_factor(config: ml_collections.ConfigDict, topology: str,
 
 
 def capped_times(config: ml_collections.ConfigDict, traffic: Traffic, factors: Sequence[float],
-                 expert_shards: int, steps: int, rounds: int) -> dict[float, float]:
-  """Seconds of a capped step of `config` (the run's, checked against the traffic) at each of
-  `factors` and the run's newest factor, on this machine's devices
-  (`launch.planning.capped_timing`)."""
-  from launch.planning import capped_timing  # compiles and runs: only when asked for
+                 expert_shards: int, steps: int, rounds: int) -> dict[float, factor_rule.Price]:
+  """Prices ('timed'): a capped step of `config` (the run's, checked against the traffic) at
+  each of `factors` and the run's newest factor, on this machine's devices
+  (`launch.training.capped_timing`), with a progress line per factor on stderr."""
+  from launch.training import capped_timing  # compiles and runs: only when asked for
   settings = settings_lib.build(config, jax.device_count())
   replay.check_routing(settings.layer, traffic, "time_config")
   tokens = config.data.batch_size * config.data.seq_len // jax.device_count()
@@ -128,8 +130,13 @@ def capped_times(config: ml_collections.ConfigDict, traffic: Traffic, factors: S
         f"--time_config runs P={settings.expert_shards} expert shards with T={tokens} tokens "
         f"per device and prices P={expert_shards}; the run recorded P={traffic.expert_shards}, "
         f"T={traffic.tokens_per_device}: pass the run's config and its expert-parallel size.")
-  return capped_timing.capped_step_seconds(settings, [*factors, float(traffic.factors[-1])],
-                                           steps=steps, rounds=rounds)
+  timed = capped_timing.capped_step_seconds(
+      settings, [*factors, float(traffic.factors[-1])], steps=steps, rounds=rounds,
+      progress=lambda line: print(f"--time_config: {line}", file=sys.stderr, flush=True))
+  worst = replay.worst_case_factor(traffic.counts.shape[-1], traffic.k, traffic.expert_shards)
+  return {(f if f > 0 else worst): factor_rule.Price(s, se, "timed")
+          for f, (s, se) in timed.items()}
+
 
 def _check_flags(topology: str | None) -> None:
   """The flag combinations that cannot work: one line, exit status 2."""
@@ -148,24 +155,39 @@ def _check_flags(topology: str | None) -> None:
   if min(_TIME_STEPS.value, _TIME_ROUNDS.value) < 1:
     raise misuse(f"--time_steps={_TIME_STEPS.value} and --time_rounds={_TIME_ROUNDS.value} "
                  "must be >= 1.")
-  if _WINDOW.value < 0 or not 0 < _MAX_FREQUENCY.value <= 1 or not 0 < _TARGET.value < 1:
-    raise misuse(f"--window={_WINDOW.value} must be >= 0, --max_fallback_frequency="
-                 f"{_MAX_FREQUENCY.value:g} in (0, 1] and --target_fallback_frequency="
-                 f"{_TARGET.value:g} in (0, 1).")
+  if (_WINDOW.value < 0 or _MIN_STEPS.value < 1 or not 0 < _MAX_FREQUENCY.value <= 1 or
+      not 0 < _TARGET.value < 1):
+    raise misuse(f"--window={_WINDOW.value} must be >= 0, --min_steps={_MIN_STEPS.value} >= 1, "
+                 f"--max_fallback_frequency={_MAX_FREQUENCY.value:g} in (0, 1] and "
+                 f"--target_fallback_frequency={_TARGET.value:g} in (0, 1).")
 
 
-def _timed_note(timed: dict[float, float] | None, traffic: Traffic, priced: bool) -> str:
-  """With --time_config, one line on what the timed steps priced (or why nothing)."""
-  if timed is None:
-    return ""
-  measured = sorted({float(f) for f in traffic.timings.factors}) if priced else []
-  if not priced:
-    return ("\n--time_config: no price changed: the run's timings price only the recorded "
-            "expert-parallel size, and --expert_shards regroups it.")
-  rest = sorted(f for f in timed if not any(abs(f - m) < 1e-9 for m in measured))
-  return (f"\n--time_config: factors {', '.join(f'{f:g}' for f in rest) or 'none'} priced from "
-          f"the capped steps timed here; {', '.join(f'{f:g}' for f in measured)} from the run's "
-          "own intervals (a measured factor keeps its measurement).")
+def _answer(traffic: Traffic, shards: int, topology: str | None, rule: factor_rule.Rule):
+  """(rows, the rule's advice, the factors the run ran): the replay of the table's factors,
+  priced by the run's intervals or, with --time_config, by capped steps timed here."""
+  factors = replay.factor_list(_FACTORS.value, traffic)
+  memory = (dict(zip(factors, memory_per_factor(_AOT_CONFIG.value, topology, factors, shards,
+                                                traffic))) if topology else None)
+  budget = _BUDGET.value * report.GIB if _BUDGET.value else None
+  prices = None
+  if _TIME_CONFIG.value is not None:
+    if not _FACTORS.value:  # the rule's unpriced answer gets timed too
+      first = replay.advise(traffic, rule=rule, expert_shards=shards, prices={})
+      factors = sorted({*factors, *([] if first.factor is None else [first.factor])})
+    prices = capped_times(_TIME_CONFIG.value, traffic, factors, shards, _TIME_STEPS.value,
+                          _TIME_ROUNDS.value)
+  # Compiled memory exists for the table's factors only: the pick is then among them.
+  advice = replay.advise(traffic, rule=rule, expert_shards=shards, prices=prices,
+                         factors=factors if _FACTORS.value or memory else None,
+                         fits=lambda f: budget is None or memory[f] <= budget)
+  priced = [r.factor for r in advice.rows if r.price is not None]
+  shown = sorted({*factors, *priced, *([] if advice.factor is None else [advice.factor])})
+  results = replay.plan(traffic, shown, shards)
+  for r in results:
+    if memory:
+      r["memory_bytes_per_device"] = memory[r["factor"]]
+  report.annotate(results, advice)
+  return results, advice, set(traffic.factors.tolist()) & set(shown)
 
 
 def main(argv):
@@ -183,45 +205,18 @@ def main(argv):
       platform.setup(settings_lib.cpu_devices(timing))
     traffic = replay.window(read_traffic(_WORKDIR.value), _WINDOW.value)
     shards = _EXPERT_SHARDS.value or traffic.expert_shards
-    factors = replay.factor_list(_FACTORS.value, traffic)
-    memory = (dict(zip(factors, memory_per_factor(_AOT_CONFIG.value, topology, factors, shards,
-                                                  traffic))) if topology else None)
-    budget = _BUDGET.value * report.GIB if _BUDGET.value else None
-    if timing is not None and not _FACTORS.value:
-      # The run's own evidence names a factor, or one to time: --time_config times it too.
-      first = replay.advise(traffic, max_frequency=_MAX_FREQUENCY.value, target=_TARGET.value,
-                            expert_shards=shards)
-      factors = sorted({*factors, *(f for f in (first.factor, first.trial) if f is not None)})
-    timed = None if timing is None else capped_times(timing, traffic, factors, shards,
-                                                     _TIME_STEPS.value, _TIME_ROUNDS.value)
-    # Measured memory or timed steps exist for the table's factors only: the pick is among
-    # them, so that every candidate is judged on the same evidence (an untimed factor priced
-    # by its FLOPs beside timed ones would win by the FLOPs' overstatement of a buffer's cost).
-    advice = replay.advise(
-        traffic, max_frequency=_MAX_FREQUENCY.value, target=_TARGET.value, expert_shards=shards,
-        factors=factors if _FACTORS.value or memory or timed else None, timed=timed,
-        fits=lambda f: budget is None or memory[f] <= budget)
-    if advice.factor is not None and advice.factor not in factors:
-      factors = sorted([*factors, advice.factor])
-    results = replay.plan(traffic, factors, shards)
-  for r in results:
-    if memory:
-      r["memory_bytes_per_device"] = memory[r["factor"]]
-    if timed:
-      r["capped_step_seconds"] = timed.get(r["factor"], float("nan"))
-  priced = shards == traffic.expert_shards
-  report.annotate(results, advice, replay.run_factor(traffic) if priced else None)
-  run_factors = set(traffic.factors.tolist()) & set(factors)
+    rule = factor_rule.Rule(_TARGET.value, _MAX_FREQUENCY.value, min_steps=_MIN_STEPS.value)
+    results, advice, run_factors = _answer(traffic, shards, topology, rule)
   path = os.path.join(_WORKDIR.value, "capacity.png")
   title = report.describe(traffic, shards, _WINDOW.value)
   report.plot(results, run_factors, advice, title, path)
-  line = report.pick_line(advice, traffic.shape is not None and traffic.shape.adaptive_chunking)
   if _FORMAT.value == "json":
-    print(json.dumps(results, indent=2))
-    print(line + _timed_note(timed, traffic, priced), file=sys.stderr)
+    print(json.dumps(results_lib.record({
+        "pick": advice.factor, "reason": advice.reason, "basis": advice.basis,
+        "window_steps": advice.steps, "rows": results}), indent=2))
   else:
-    print(f"{title}\n\n{report.table(results, run_factors)}\n\n{line}"
-          f"{_timed_note(timed, traffic, priced)}\nplot: {path}")
+    print(f"{title}\n\n{report.table(results, run_factors)}\n\n{report.pick_line(advice)}"
+          f"\nplot: {path}")
 
 
 if __name__ == "__main__":

@@ -52,16 +52,19 @@ def command(argv: list[str] | None = None) -> str:
   return " ".join([program, *map(shlex.quote, argv[1:])])
 
 
+def record(figures: dict[str, Any], argv: list[str] | None = None) -> dict[str, Any]:
+  """`figures` after the `command`, `commit`, `date` and `machine` that produced them."""
+  return {"command": command(argv), "commit": commit(),
+          "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+          "machine": machine(), **figures}
+
+
 def write(name: str, figures: dict[str, Any], argv: list[str] | None = None) -> str:
-  """Writes `figures` to `benchmarks/results/<name>.json` with `command`, `commit`, `date`
-  and `machine`; returns the path."""
+  """Writes `record(figures)` to `benchmarks/results/<name>.json`; returns the path."""
   os.makedirs(RESULTS, exist_ok=True)
   path = os.path.join(RESULTS, f"{name}.json")
-  record = {"command": command(argv), "commit": commit(),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "machine": machine(), **figures}
   with open(path, "w") as f:
-    json.dump(record, f, indent=2)
+    json.dump(record(figures, argv), f, indent=2)
     f.write("\n")
   return path
 

@@ -31,7 +31,6 @@ from absl import app
 import moe_hk
 from launch.errors import UserError, user_errors
 from launch.planning import autopilot
-from launch.training import attention, data, model, spikes as spikes_lib
 from moe_hk import mesh as mesh_lib
 
 # The config files that ship with the launcher, wherever the command runs.
@@ -44,6 +43,13 @@ DERIVED_MOE_FIELDS = ("emb_dim", "dtype", "record_traffic")
 # The layer's host callbacks, which `config.moe_metrics=False` needs off.
 CALLBACK_FIELDS = ("emit_fallback_events", "stream_step_stats")
 
+
+# The values the checked keys may take; the modules that act on them (launch.training's
+# attention, model, data and spikes) take them from here, so settings imports nothing above it.
+ATTENTION_IMPLS = ("auto", "xla", "splash", "cudnn")
+REMAT_POLICIES = ("none", "full", "save_attention_moe", "full_inputs_on_host")
+DATA_SOURCES = ("stdlib", "synthetic", "files", "array_record")
+SPIKE_MIN_STEPS = 4  # applied steps in the spike window before any step is judged
 
 class Settings(NamedTuple):
   """A checked run configuration: the launcher's settings and the MoE layers' config."""
@@ -243,10 +249,10 @@ def _check_model(config: ml_collections.ConfigDict) -> None:
   _require(config.num_heads % config.num_kv_heads == 0,
            f"config.num_heads={config.num_heads} must be divisible by "
            f"config.num_kv_heads={config.num_kv_heads}.")
-  _one_of("attention_impl", config.attention_impl, attention.ATTENTION_IMPLS)
-  _one_of("remat_policy", config.remat_policy, tuple(model.REMAT_POLICIES))
+  _one_of("attention_impl", config.attention_impl, ATTENTION_IMPLS)
+  _one_of("remat_policy", config.remat_policy, REMAT_POLICIES)
   _one_of("optimizer_state_dtype", config.optimizer_state_dtype, moe_hk.config.DTYPES)
-  _one_of("data.source", config.data.source, data.SOURCES)
+  _one_of("data.source", config.data.source, DATA_SOURCES)
   for name in ("attention_block", "loss_chunk"):
     _require(config[name] >= 0 and (config[name] == 0 or seq % config[name] == 0),
              f"config.{name}={config[name]} must be 0 (whole sequence) or a divisor of "
@@ -256,7 +262,7 @@ def _check_model(config: ml_collections.ConfigDict) -> None:
 def _check_run(config: ml_collections.ConfigDict, layer: moe_hk.MoEConfig) -> None:
   """The loop's keys: steps, intervals, the autopilot, traffic recording, non-finite stops."""
   with user_errors():
-    autopilot.check_settings(config.autopilot, layer)
+    autopilot.check_settings(config.autopilot, layer, config.moe_metrics)
   _require(config.traffic.max_mib >= 0,
            f"config.traffic.max_mib={config.traffic.max_mib} must be >= 0.")
   _require(config.max_consecutive_nonfinite >= 1,
@@ -268,8 +274,8 @@ def _check_run(config: ml_collections.ConfigDict, layer: moe_hk.MoEConfig) -> No
            "the table's figure for the device kind).")
   spikes = config.spikes
   _require(spikes.sigma > 0, f"config.spikes.sigma={spikes.sigma} must be > 0.")
-  _require(spikes.window >= spikes_lib.MIN_STEPS,
-           f"config.spikes.window={spikes.window} must be >= {spikes_lib.MIN_STEPS} (the applied "
+  _require(spikes.window >= SPIKE_MIN_STEPS,
+           f"config.spikes.window={spikes.window} must be >= {SPIKE_MIN_STEPS} (the applied "
            "steps a spike is judged against).")
 
 

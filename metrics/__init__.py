@@ -1,18 +1,20 @@
-"""MoE observability on the host: aggregation, CLU/TensorBoard writers, alerts.
+"""MoE observability on the host: aggregation, the factor rule and its evidence, CLU/TensorBoard
+writers, alerts.
 
 The layer's in-graph events live in `moe_hk.events` (the layer depends on nothing here); this
-package registers itself as their sink. The writer pieces import CLU (and so TensorFlow);
-they load on first use.
+package registers itself as their sink. Every name loads on first use: the host-only modules
+(`metrics.factor_rule`, `metrics.evidence`, `metrics.traffic`) import no jax, and the writer
+pieces import CLU (and so TensorFlow).
 """
 import importlib
 
-from metrics.aggregator import Aggregator, LayerRecord, StepMetrics, layer_record
-from metrics.alerts import Alert, AlertConfig, AlertManager
+_LAZY = {"Aggregator": "metrics.aggregator", "LayerRecord": "metrics.aggregator",
+         "StepMetrics": "metrics.aggregator", "layer_record": "metrics.aggregator",
+         "Alert": "metrics.alerts", "AlertConfig": "metrics.alerts",
+         "AlertManager": "metrics.alerts", "Evidence": "metrics.evidence",
+         "MoEMetrics": "metrics.pipeline", "MoEMetricsWriter": "metrics.writer"}
 
-_LAZY = {"MoEMetrics": "metrics.pipeline", "MoEMetricsWriter": "metrics.writer"}
-
-__all__ = ["Aggregator", "Alert", "AlertConfig", "AlertManager", "LayerRecord", "StepMetrics",
-           "layer_record", *_LAZY]
+__all__ = list(_LAZY)
 
 
 def __getattr__(name):

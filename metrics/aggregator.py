@@ -10,13 +10,13 @@ and fixed-size trailing windows; the windows are saved with checkpoints (`state_
 """
 from __future__ import annotations
 
-import collections
 import threading
 from typing import NamedTuple
 
 import numpy as np
 
-from metrics import factor_advice
+from metrics import factor_rule
+from metrics.evidence import Evidence
 from moe_hk.events import FALLBACK_EVENT, LayerEvent
 
 
@@ -67,11 +67,11 @@ class StepMetrics(NamedTuple):
   required_factor: float         # max over layers
   dropped_rows_fraction: float   # dropped rows / routed rows, over layers
   fallback_frequency: float      # fraction of the trailing window's steps with a fallback
-  advice: factor_advice.Advice   # the shared rule's factor on the trailing window
+  advice: factor_rule.Advice     # the factor rule's answer on the window, this step included
 
   @property
   def recommended_factor(self) -> float | None:
-    """The factor the rule names (None: the evidence names none)."""
+    """The factor the rule names (None: the evidence names none, or is too short)."""
     return self.advice.factor
 
 
@@ -89,36 +89,22 @@ def layer_record(stats, *, process: int) -> LayerRecord:
       receiver_overflow_rows=np.asarray(s.receiver_overflow_rows))
 
 
-class AdviceSettings(NamedTuple):
-  """What the shared factor rule (`metrics.factor_advice.advise`) weighs the window with."""
-  worst_case: float             # min(P, E / K): the largest candidate
-  max_frequency: float = 0.5    # no factor that falls back more often than this is named
-  target: float = 0.01          # without prices: the fallback frequency a factor must meet
-
-
 class Aggregator:
   """Collects per-layer stats: `add` from returned stats, or as an event sink
   (`moe_hk.events.add_sink(aggregator)`).
 
-  The trailing window keeps, per finished step, whether it fell back and each MoE layer's
-  required factor: the evidence of the factor rule (`advice`). `price` (set by a trainer
-  that times its steps; `metrics.factor_advice.Price`) and `factor` (the buffer factor in
-  force) join the evidence when known."""
+  Each finished step goes to `evidence` (`metrics.evidence.Evidence`: the factor rule's
+  window, which evaluates the rule once per step); its step metrics carry the window's
+  fallback frequency and the rule's advice."""
 
-  def __init__(self, window: int = 100, advice: AdviceSettings | None = None,
-               max_open_steps: int = 64):
-    if window < 1 or max_open_steps < 1:
-      raise ValueError(f"Aggregator(window={window}, max_open_steps={max_open_steps}): need "
-                       "window >= 1, max_open_steps >= 1.")
-    self.settings = advice
-    self.price: factor_advice.Price | None = None
-    self.factor: float | None = None
+  def __init__(self, evidence: Evidence | None = None, max_open_steps: int = 64):
+    if max_open_steps < 1:
+      raise ValueError(f"Aggregator(max_open_steps={max_open_steps}): need max_open_steps >= 1.")
+    self.evidence = Evidence(worst_case=None) if evidence is None else evidence
     self.max_open_steps = max_open_steps
     self._lock = threading.Lock()
     self._open: dict[int, dict[int, LayerRecord]] = {}
     self._finished_through = -1
-    self._fell_back = collections.deque(maxlen=window)
-    self._required = collections.deque(maxlen=window)  # per step: (factor per layer, ...)
     self.late_events = 0      # events for steps already finished (not counted)
     self.evicted_steps = 0    # unfinished steps dropped to bound memory
 
@@ -159,54 +145,25 @@ class Aggregator:
       records = list(layers.values())
       fallback_layers = sum(r.fallback for r in records)
       routed = sum(r.routed_rows for r in records)
-      self._fell_back.append(fallback_layers > 0)
-      self._required.append(tuple(r.required_factor for r in records))
-      frequency, advice = self._summary(self._fell_back, self._required)
+      advice = self.evidence.add_step([r.required_factor for r in records], fallback_layers > 0)
       return StepMetrics(
           step=step, layers=layers, fallback_layers=fallback_layers,
           lb_loss=sum(r.lb_loss for r in records), z_loss=sum(r.z_loss for r in records),
           required_factor=max(r.required_factor for r in records),
           dropped_rows_fraction=sum(r.dropped_rows for r in records) / max(routed, 1),
-          fallback_frequency=frequency, advice=advice)
-
-  def _summary(self, fell_back, required) -> tuple[float, factor_advice.Advice]:
-    """(fallback frequency, the factor rule's advice) of the given windows."""
-    width = max(len(r) for r in required)
-    matrix = np.array([r + (0.0,) * (width - len(r)) for r in required])
-    worst = (self.settings.worst_case if self.settings else
-             max(float(matrix.max()), factor_advice.FACTOR_STEP))
-    settings = self.settings or AdviceSettings(worst)
-    advice = factor_advice.advise(matrix, worst_case=worst, current=self.factor,
-                                  max_frequency=settings.max_frequency, target=settings.target,
-                                  price=self.price)
-    return float(np.mean(fell_back)), advice
-
-  def summary_with_fallback(self, layer: int, required_factor: float
-                            ) -> tuple[float, factor_advice.Advice]:
-    """`_summary()` as if a step whose layer `layer` fell back needing `required_factor` had
-    just finished (for an alert raised from a fallback event, before its step is finished;
-    the step's other layers count as not overflowing)."""
-    with self._lock:
-      fell_back = collections.deque(self._fell_back, maxlen=self._fell_back.maxlen)
-      required = collections.deque(self._required, maxlen=self._required.maxlen)
-      fell_back.append(True)
-      required.append((0.0,) * layer + (required_factor,))
-      return self._summary(fell_back, required)
+          fallback_frequency=self.evidence.frequency(), advice=advice)
 
   def state_dict(self) -> dict:
-    """The trailing windows and the last finished step, JSON-serialisable (for checkpoints)."""
+    """The last finished step and the evidence, JSON-serialisable (for checkpoints)."""
     with self._lock:
       return {"finished_through": self._finished_through,
-              "fell_back": [bool(v) for v in self._fell_back],
-              "required": [list(r) for r in self._required]}
+              "evidence": self.evidence.state_dict()}
 
   def load_state_dict(self, state: dict) -> None:
-    """Restores `state_dict()`'s windows (a resumed run then reports what the uninterrupted
-    one would have); open steps are dropped."""
+    """Restores `state_dict()` (a resumed run then reports what the uninterrupted one would
+    have); open steps are dropped."""
     with self._lock:
       self._open.clear()
       self._finished_through = int(state["finished_through"])
-      self._fell_back.clear()
-      self._fell_back.extend(bool(v) for v in state["fell_back"])
-      self._required.clear()
-      self._required.extend(tuple(float(f) for f in r) for r in state["required"])
+      # Checkpoints written before `Evidence` held the window here.
+      self.evidence.load_state_dict(state.get("evidence", state))

@@ -21,11 +21,13 @@ trainer, the `launch.batch` command that prints it.
 Each overflow alert names the step, the layers, for each layer the receiving expert shards
 whose buffer overflowed and the three hottest experts, since when the condition holds, how
 often it happens, and the factor rule's answer on the trailing window
-(`metrics.factor_advice`: the factor it names and why, or why it names none; the same rule
-the planner and the autopilot follow); `nonfinite_router_input` names the step, the layers and their
-non-finite token counts (`details`). `check` runs the rules on a finished step;
-`check_fallback` fires `fallback_ran` at once from a layer's fallback event (before the
-trainer fetches the step's stats). Sinks: absl `logging.warning`, `alerts.jsonl` in the
+(`metrics.factor_rule`: the factor it names and why, "keep" when it is the factor in force,
+or why it names none; the same rule the planner and the autopilot follow);
+`nonfinite_router_input` names the step, the layers and their non-finite token counts
+(`details`). `check` runs the rules on a finished step, so `fallback_ran` names every layer
+that fell back in it and the step's required factor (the maximum over layers), as
+TensorBoard shows them; `frequent_fallback` waits until the window holds the rule's
+`min_steps`. Sinks: absl `logging.warning`, `alerts.jsonl` in the
 workdir (one JSON object a line), and an optional callable. A rule fires at most once every
 `min_steps_between` steps.
 """
@@ -40,8 +42,7 @@ from typing import Callable, NamedTuple
 
 from absl import logging
 
-from metrics import factor_advice
-from metrics.aggregator import LayerRecord, StepMetrics
+from metrics.aggregator import StepMetrics
 
 ALERTS_FILE = "alerts.jsonl"  # in the workdir: one JSON object per alert
 NONFINITE_RULE = "nonfinite_router_input"
@@ -108,7 +109,8 @@ class AlertManager:
                             if n >= self.config.near_worst_steps],
         NONFINITE_RULE: [i for i, r in layers if r.nonfinite_tokens > 0],
     }
-    if m.fallback_frequency > self.config.frequency_threshold:
+    # Below the rule's minimum window one early step is "100% of recent steps": no alert.
+    if m.advice.enough and m.fallback_frequency > self.config.frequency_threshold:
       held["frequent_fallback"] = [i for i, r in layers if r.fallback or r.would_drop_rows]
     return {rule: ls for rule, ls in held.items() if ls or rule == "frequent_fallback"}
 
@@ -121,40 +123,16 @@ class AlertManager:
           del self._since[rule]
       return [a for rule, layers in held.items() if (a := self._fire(m, rule, layers))]
 
-  def check_fallback(self, step: int, layer: int, record: LayerRecord, *,
-                     frequency: float, advice: factor_advice.Advice) -> Alert | None:
-    """`fallback_ran` for one layer's fallback event, before its step is finished;
-    `frequency` and `advice` are the window's, counting this step."""
-    m = StepMetrics(step=step, layers={layer: record}, fallback_layers=1,
-                    lb_loss=record.lb_loss, z_loss=record.z_loss,
-                    required_factor=record.required_factor, dropped_rows_fraction=0.0,
-                    fallback_frequency=frequency, advice=advice)
-    with self._lock:
-      return self._fire(m, "fallback_ran", [layer])
-
   def factor_changed(self, step: int, old: float, new: float, reason: str,
                      evidence: dict) -> Alert:
     """`buffer_factor_changed`: the autopilot switched the buffer factor (never rate-limited:
     the autopilot's own hysteresis bounds how often)."""
     frequency = float(evidence.get("observed_recent_frequency", 0.0))
     required = float(evidence.get("max_required_factor", 0.0))
-    bound = ("max_fallback_frequency" if evidence.get("objective") == "throughput" else
-             "target_fallback_frequency")
-    seconds = evidence.get("predicted_step_seconds")
-    # A trial's price is the FLOPs' lower bound (metrics.factor_advice).
-    at_best = " at best (a lower bound: its own steps will price it)" if reason == "trial" else ""
+    memory = evidence.get("memory_bytes_per_device")
     message = (f"MoE autopilot [buffer_factor_changed] at step {step}: ragged_buffer_factor "
-               f"{old:g} -> {new:g} ({reason}); " +
-               (f"predicted {seconds['old']:.4g} s/step at {old:g}, {seconds['new']:.4g} at "
-                f"{new:g}{at_best} (its compile pays back in {evidence['payback_steps']:.0f} "
-                "steps); " if seconds else "") +
-               f"over the last {evidence.get('window_steps')} "
-               f"steps the max required factor was {required:.3g}, the predicted fallback "
-               f"frequency at {new:g} is {evidence.get('predicted_frequency', 0.0):.1%} "
-               f"({bound.split('_')[0]} {evidence.get(bound, 0.0):.1%}), observed "
-               f"{frequency:.1%} over the last {evidence.get('recent_steps')} steps" +
-               (f"; the new program needs {memory / 2**20:.1f} MiB per device."
-                if (memory := evidence.get("memory_bytes_per_device")) else "."))
+               f"{old:g} -> {new:g} ({reason}): {evidence.get('advice', '')}" +
+               (f" The new program needs {memory / 2**20:.1f} MiB per device." if memory else ""))
     alert = Alert(time=time.time(), step=step, rule="buffer_factor_changed", layers=[],
                   hotspots=[], since=step, frequency=frequency, required_factor=required,
                   recommended_ragged_buffer_factor=new, message=message,

@@ -6,8 +6,8 @@ never waits for the device in between; `end_interval` then writes the `moe/exper
 and flushes (with `wait=False` the loop does not wait for the writer's background thread
 either). A loop over bare layers that stream their stats through callbacks
 (`MoEConfig.stream_step_stats`) calls `end_step` after each step instead, which waits for the
-step's callbacks. Either way, a layer's fallback event raises the
-`fallback_ran` alert as soon as it reaches the host.
+step's callbacks. Either way the alerts run on the finished step (`fallback_ran` names every
+layer of it that fell back).
 """
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ from typing import Any, Callable, Mapping
 import jax
 import numpy as np
 
-from metrics.aggregator import AdviceSettings, Aggregator, StepMetrics, layer_record
+from metrics.aggregator import Aggregator, StepMetrics, layer_record
+from metrics.evidence import Evidence
 from metrics.alerts import Alert, AlertConfig, AlertManager
 from metrics.writer import DROPLESS_STEPS_TAG, MoEMetricsWriter
 from moe_hk import events
@@ -31,15 +32,15 @@ class MoEMetrics:
   `end_step(step)`.
   """
 
-  def __init__(self, workdir: str, *, worst_case_factor: float, window: int = 100,
-               max_fallback_frequency: float = 0.5, target_fallback_frequency: float = 0.01,
+  def __init__(self, workdir: str, *, worst_case_factor: float, evidence: Evidence | None = None,
                alert_config: AlertConfig = AlertConfig(),
                alert_callback: Callable[[Alert], None] | None = None,
                hparams: Mapping[str, Any] | None = None, asynchronous: bool = True,
                flush_on_sigterm: bool = True, writer: MoEMetricsWriter | None = None,
                alert_sinks: bool = True):
-    self.aggregator = Aggregator(window=window, advice=AdviceSettings(
-        worst_case_factor, max_fallback_frequency, target_fallback_frequency))
+    # The factor rule's evidence (`metrics.evidence`): the run's, or a default window.
+    self.aggregator = Aggregator(Evidence(worst_case=worst_case_factor) if evidence is None
+                                 else evidence)
     # A writer passed in belongs to the caller, who closes it; otherwise one of its own.
     self._owns_writer = writer is None
     self.writer = MoEMetricsWriter(workdir, asynchronous=asynchronous) if writer is None else writer
@@ -53,7 +54,7 @@ class MoEMetrics:
     if flush_on_sigterm:
       self.writer.flush_on_sigterm()
     self._interval_load = None  # [layers, E] rows since the last end_interval
-    events.add_sink(self._on_event)
+    events.add_sink(self.aggregator)
     self._open = True
 
   def __enter__(self) -> "MoEMetrics":
@@ -62,25 +63,11 @@ class MoEMetrics:
   def __exit__(self, *exc) -> None:
     self.close()
 
-  def _on_event(self, event: events.LayerEvent) -> None:
-    """Callback sink: files the event; a fallback event alerts at once."""
-    self.aggregator(event)
-    if event.name == events.FALLBACK_EVENT:
-      record = layer_record(event.stats, process=event.process)
-      frequency, advice = self.aggregator.summary_with_fallback(event.layer,
-                                                               record.required_factor)
-      self.alerts.check_fallback(event.step, event.layer, record._replace(fallback=True),
-                                 frequency=frequency, advice=advice)
-
-  def report_step(self, step: int, stats: Any, *, factor: float | None = None,
-                  dropless_steps: int | None = None,
+  def report_step(self, step: int, stats: Any, *, dropless_steps: int | None = None,
                   extra_scalars: Mapping[str, float] | None = None) -> StepMetrics | None:
     """Files the stats a train step returned (`MoEStats`, numpy, fields `[layers, ...]`),
     finishes the step, writes it (with step mode's running count `dropless_steps`), runs the
-    alerts; `factor` is the buffer factor the step ran at (the factor rule's factor in
-    force)."""
-    if factor is not None:
-      self.aggregator.factor = float(factor)
+    alerts."""
     process = jax.process_index()
     for layer in range(np.shape(stats.fallback)[0]):
       one = type(stats)(*(np.asarray(field)[layer] for field in stats))
@@ -115,7 +102,7 @@ class MoEMetrics:
 
   def close(self) -> None:
     if self._open:
-      events.remove_sink(self._on_event)
+      events.remove_sink(self.aggregator)
       self._open = False
     if self._owns_writer:
       self.writer.close()

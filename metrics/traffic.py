@@ -21,14 +21,10 @@ written to a `.tmp` file and renamed, so a reader never sees half a file), holdi
                                       measurement (the first interval compiles; an eval, a
                                       checkpoint, a program switch or a background compile
                                       fell in it)
-  seq_len            [] int64         the step's cost at other factors (`RunShape`, for
-  adaptive_chunking  [] int64         `launch.planning.step_model`): sequence length, 1 for adaptive
-  requested_chunks   [] int64         fallback chunking, the fixed chunk count asked for (0:
-  step_flops         [2] float64      automatic), matmul FLOPs of a step = [0] + factor x [1]
 
 One file is one fetch interval of the trainer. `fallback_chunks` and `seconds` (the timings:
-`Traffic.timings`) and the run shape (`Traffic.shape`) are absent from files written before
-they were recorded; such files still give their traffic.
+`Traffic.timings`) are absent from files written before they were recorded; such files still
+give their traffic, and arrays a reader does not know are ignored.
 
 `seq` numbers the files in write order. A resumed run records again the steps after its
 checkpoint; those replace the earlier copies, so on a step recorded twice the file with the
@@ -60,18 +56,6 @@ _FORMAT = {"steps": (np.int64, 1), "counts": (np.int32, 4), "factors": (np.float
            **{name: (np.int64, 0) for name in _META}}
 # The timings, in files written since they were recorded: (dtype, rank), as above.
 _TIMING_FORMAT = {"fallback_chunks": (np.int32, 2), "seconds": (np.float64, 0)}
-# The run shape, in files written since it was recorded: (dtype, rank), as above.
-_SHAPE_FORMAT = {"seq_len": (np.int64, 0), "adaptive_chunking": (np.int64, 0),
-                 "requested_chunks": (np.int64, 0), "step_flops": (np.float64, 1)}
-
-
-class RunShape(NamedTuple):
-  """What prices a step at another buffer factor (`launch.planning.step_model`)."""
-  seq_len: int             # positions per sequence: the fallback chunks divide it
-  adaptive_chunking: bool  # the fallback's chunk count follows the traffic
-  requested_chunks: int    # dropless_fallback_num_chunks (0: the fewest that fit)
-  flops_fixed: float       # matmul FLOPs of a step: flops_fixed + factor * flops_per_factor
-  flops_per_factor: float
 
 
 class Timings(NamedTuple):
@@ -93,7 +77,6 @@ class Traffic(NamedTuple):
   k: int                  # K experts per token.
   skipped: tuple[str, ...] = ()  # Paths of the files not read (each logged why), in write order.
   timings: Timings | None = None  # The files' timed intervals (superseded copies included).
-  shape: RunShape | None = None    # The newest file's run shape, when recorded.
 
 
 class _Unreadable(Exception):
@@ -110,13 +93,9 @@ class TrafficRecorder:
   """Appends recorded steps to `workdir/traffic/`, one compressed file per call."""
 
   def __init__(self, workdir: str, *, expert_shards: int, tokens_per_device: int, k: int,
-               max_bytes: int = 1 << 30, shape: RunShape | None = None):
+               max_bytes: int = 1 << 30):
     self.folder = os.path.join(workdir, FOLDER)
     self.meta = dict(expert_shards=expert_shards, tokens_per_device=tokens_per_device, k=k)
-    self.shape = {} if shape is None else dict(
-        seq_len=np.int64(shape.seq_len), adaptive_chunking=np.int64(shape.adaptive_chunking),
-        requested_chunks=np.int64(shape.requested_chunks),
-        step_flops=np.array([shape.flops_fixed, shape.flops_per_factor], np.float64))
     self.max_bytes = max_bytes
     os.makedirs(self.folder, exist_ok=True)
 
@@ -155,7 +134,7 @@ class TrafficRecorder:
     with open(path + ".tmp", "wb") as f:
       np.savez_compressed(f, steps=steps, counts=counts.astype(np.int32), factors=factors,
                           fallback_chunks=fallback_chunks.astype(np.int32),
-                          seconds=np.float64(seconds), **self.shape,
+                          seconds=np.float64(seconds),
                           **{name: np.int64(value) for name, value in self.meta.items()})
     os.replace(path + ".tmp", path)
     self._bound([*recorded, (seq, path)])
@@ -236,14 +215,13 @@ def _arrays(path: str) -> dict[str, np.ndarray]:
       missing = [name for name in _FORMAT if name not in npz.files]
       if missing:
         raise _Unreadable(f"no {', '.join(missing)} array")
-      optional = [group for group in (_TIMING_FORMAT, _SHAPE_FORMAT)
-                  if all(name in npz.files for name in group)]
-      return {name: npz[name] for name in (*_FORMAT, *(n for group in optional for n in group))}
+      timed = all(name in npz.files for name in _TIMING_FORMAT)
+      return {name: npz[name] for name in (*_FORMAT, *(_TIMING_FORMAT if timed else ()))}
 
 
 def _check(part: dict[str, np.ndarray]) -> None:
   """Raises _Unreadable unless the arrays have `_FORMAT`'s dtypes and ranks, and n >= 1 steps."""
-  for name, (dtype, rank) in {**_FORMAT, **_TIMING_FORMAT, **_SHAPE_FORMAT}.items():
+  for name, (dtype, rank) in {**_FORMAT, **_TIMING_FORMAT}.items():
     if name in part and (part[name].dtype != dtype or part[name].ndim != rank):
       raise _Unreadable(f"{name} is {part[name].dtype} {part[name].shape}, not "
                         f"{np.dtype(dtype)} of rank {rank}")
@@ -254,8 +232,6 @@ def _check(part: dict[str, np.ndarray]) -> None:
   if "fallback_chunks" in part and part["fallback_chunks"].shape != part["counts"].shape[:2]:
     raise _Unreadable(f"fallback_chunks {part['fallback_chunks'].shape} is not [n, layers] "
                       f"{part['counts'].shape[:2]}")
-  if "step_flops" in part and part["step_flops"].shape != (2,):
-    raise _Unreadable(f"step_flops is {part['step_flops'].shape}, not [2]")
 
 
 def _same_config(parts: dict[str, dict]) -> dict[str, dict]:
@@ -284,17 +260,7 @@ def _merged(parts: list[dict], skipped: tuple[str, ...]) -> Traffic:
   return Traffic(steps=steps[rows],
                  counts=np.concatenate([part["counts"] for part in parts])[rows],
                  factors=np.concatenate([part["factors"] for part in parts])[rows],
-                 **_layout(parts[0])[0], skipped=skipped, timings=_timings(parts),
-                 shape=_shape(parts[-1]))
-
-
-def _shape(part: dict) -> RunShape | None:
-  """The run shape `part` recorded, if it did."""
-  if "step_flops" not in part:
-    return None
-  fixed, per_factor = part["step_flops"].tolist()
-  return RunShape(int(part["seq_len"]), bool(part["adaptive_chunking"]),
-                  int(part["requested_chunks"]), fixed, per_factor)
+                 **_layout(parts[0])[0], skipped=skipped, timings=_timings(parts))
 
 
 def _timings(parts: list[dict]) -> Timings:

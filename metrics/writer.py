@@ -12,8 +12,8 @@ Tags (docs/metrics.md; `<i>` is the 0-based ordinal among MoE layers):
   moe/required_ragged_buffer_factor/layer_<i> per MoE layer
   moe/dropped_rows_fraction                   rows dropped / rows routed
   moe/recommended_ragged_buffer_factor        the factor rule's factor on the trailing window
-                                              (metrics.factor_advice; no point when it names
-                                              none)
+                                              (metrics.factor_rule; no point when it names
+                                              none or the window is below its min_steps)
   moe/lb_loss, moe/z_loss                     weighted load-balance and router z-loss, all layers
   moe/load_max_over_mean/layer_<i>            busiest expert's rows over the mean per expert
   moe/dead_experts/layer_<i>                  experts that got no row
@@ -26,6 +26,10 @@ Tags (docs/metrics.md; `<i>` is the 0-based ordinal among MoE layers):
   moe/tokens_per_expert/layer_<i>             histogram of rows per expert
   moe/expert_load                             image: MoE layers x experts, rows over the fair
                                               share over a log interval (grey = fair share)
+
+Process 0 also writes a custom-scalars layout (TensorBoard's CUSTOM SCALARS tab, `LAYOUT`):
+the factor in force (`moe/ragged_buffer_factor`, the trainer's), the required and the
+recommended factor on one chart, the fallback frequency and layers beside it.
 """
 from __future__ import annotations
 
@@ -40,6 +44,7 @@ from typing import Any, Callable, Mapping
 import jax
 import numpy as np
 from clu import metric_writers
+from tensorboard.plugins.custom_scalar import layout_pb2, summary as custom_scalar
 
 from metrics.aggregator import StepMetrics
 from metrics.step_summaries import StepSummaryWriter, step_summary
@@ -59,6 +64,16 @@ NONFINITE_TOKENS_TAG = "moe/nonfinite_tokens"
 DROPLESS_STEPS_TAG = "moe/dropless_steps"
 TOKENS_PER_EXPERT_TAG = "moe/tokens_per_expert"
 EXPERT_LOAD_TAG = "moe/expert_load"
+FACTOR_IN_FORCE_TAG = "moe/ragged_buffer_factor"  # written by the trainer, charted here
+# The CUSTOM SCALARS tab: the factor story on one chart, the fallbacks beside it (tag regexes).
+LAYOUT = layout_pb2.Layout(category=[layout_pb2.Category(title="MoE buffer factor", chart=[
+    layout_pb2.Chart(title="ragged_buffer_factor: in force, required, recommended",
+                     multiline=layout_pb2.MultilineChartContent(tag=[
+                         f"^{FACTOR_IN_FORCE_TAG}$", f"^{REQUIRED_FACTOR_TAG}$",
+                         f"^{RECOMMENDED_FACTOR_TAG}$"])),
+    layout_pb2.Chart(title="fallback frequency (window) and fallback layers (step)",
+                     multiline=layout_pb2.MultilineChartContent(tag=[
+                         f"^{FREQUENCY_TAG}$", f"^{FALLBACK_LAYERS_TAG}$"]))])])
 # moe/expert_load: each (layer, expert) cell is a square of this many pixels; its grey level
 # is load / fair share / 2, so black = no rows, mid grey = the fair share, white >= 2x.
 EXPERT_LOAD_CELL_PIXELS = 8
@@ -133,6 +148,8 @@ class MoEMetricsWriter:
     self._points: dict[int, _StepPoints] = {}  # step -> points not yet handed to the thread
     self._closed = False
     self._lock = threading.Lock()
+    if self._events is not None:
+      self._run(lambda: self._events.write_step_summary(0, custom_scalar.pb(LAYOUT)))
     atexit.register(self.close)
 
   def __enter__(self) -> "MoEMetricsWriter":

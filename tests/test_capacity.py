@@ -376,27 +376,34 @@ def cli(*args: str) -> subprocess.CompletedProcess:
 
 def test_cli_json_end_to_end(run):
   """The whole run (--window=0) replayed, no timings: the pick is the smallest factor (of
-  1/8) that falls back on at most 1% of the steps, joined to the default rows."""
+  1/8) that falls back on at most 1% of the steps, joined to the default rows; the JSON is
+  one object with the pick, its reason and basis, the rows, and what produced it."""
   workdir, _ = run
   done = cli(f"--workdir={workdir}", "--format=json", "--window=0")
   assert done.returncode == 0, done.stderr[-3000:]
-  results = json.loads(done.stdout)
+  answer = json.loads(done.stdout)
+  assert {"command", "commit", "date", "machine", "pick", "reason", "basis",
+          "window_steps", "rows"} == set(answer)
+  assert answer["command"].startswith("python -m launch.capacity --workdir=")
+  results = answer["rows"]
   replayed = {"factor", "fallback_frequency", "overflowing_layers_mean", "would_drop_fraction",
               "buffer_rows", "expert_shards"}
-  assert all(r.keys() == replayed | {"step_seconds", "step_seconds_se", "relative_step_time",
-                                     "pick"} for r in results)
+  assert all(r.keys() == replayed | {"step_seconds", "step_seconds_se", "basis",
+                                     "relative_step_time", "pick"} for r in results)
   (picked,) = [r for r in results if r["pick"]]
   recorded = read_traffic(str(workdir))
   required = replay.required_factors(recorded)  # [steps, layers]
   covered = [f / 8 for f in range(1, 33) if np.mean((required > f / 8).any(axis=1)) <= 0.01]
   assert picked["factor"] == min(covered) and picked["step_seconds"] is None
+  assert picked["basis"] is None and answer["pick"] == picked["factor"]
+  assert answer["basis"] == "frequency" and answer["window_steps"] == 300
   # The run's factors and the pick join the default rows.
   factors = sorted({*replay.DEFAULT_FACTORS, 1.5, 2.2, picked["factor"]})
   assert [r["factor"] for r in results] == factors
   assert [{k: r[k] for k in replayed} for r in results] == replay.plan(recorded, factors)
-  assert done.stderr.splitlines()[-1].startswith(
-      f"pick: {picked['factor']:g} (fallback_frequency): ragged_buffer_factor="
-      f"{picked['factor']:g} would have run the fallback on ")
+  assert answer["reason"].startswith(
+      f"use ragged_buffer_factor={picked['factor']:g}: the smallest factor that would have "
+      "fallen back on at most 1% of the last 300 steps")
   with open(workdir / "capacity.png", "rb") as f:
     png = f.read()
   assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 20_000
@@ -502,15 +509,16 @@ def test_cli_picks_within_the_memory_budget(run, monkeypatch, capsys):
   def pick(*budget: str) -> tuple[list[float], list[dict], str]:
     run_main(f"--workdir={workdir}", "--format=json", "--window=0", "--compile_topology=cpu:8",
              "--aot_config=launch/configs/tiny.py", *budget)
-    out = capsys.readouterr()
-    results = json.loads(out.out)
-    return [r["factor"] for r in results if r["pick"]], results, out.err
+    answer = json.loads(capsys.readouterr().out)
+    results = answer["rows"]
+    return [r["factor"] for r in results if r["pick"]], results, answer["reason"]
 
   (free,), results, _ = pick()
   assert all(r["memory_bytes_per_device"] == int(r["factor"] * 2**30) for r in results)
   assert pick(f"--memory_budget_gib={free}")[0] == [free]
-  below, _, err = pick(f"--memory_budget_gib={free - 0.01:g}")
-  assert below == [] and "no factor that fits falls back on at most 1% of the last" in err
+  below, _, reason = pick(f"--memory_budget_gib={free - 0.01:g}")
+  assert below == [] and reason.startswith("no factor that fits the memory budget falls back "
+                                           "on at most 1% of the last")
 
 
 @pytest.mark.slow
@@ -519,6 +527,6 @@ def test_cli_reports_the_compiled_memory(run):
   done = cli(f"--workdir={workdir}", "--format=json", "--factors=2",
              "--aot_config=launch/configs/tiny.py", "--compile_topology=cpu:8")
   assert done.returncode == 0, done.stderr[-3000:]
-  (result,) = json.loads(done.stdout)
+  (result,) = json.loads(done.stdout)["rows"]
   assert result["factor"] == 2 and result["memory_bytes_per_device"] > 0
   assert os.path.getsize(workdir / "capacity.png") > 20_000

@@ -1,4 +1,4 @@
-"""`launch.planning.flops`: matmul FLOPs of a traced program, loops at their trip counts; the
+"""`launch.compiling.flops`: matmul FLOPs of a traced program, loops at their trip counts; the
 model FLOPs and peak behind the MFU (`launch.training.throughput`)."""
 import jax
 import jax.numpy as jnp
@@ -8,7 +8,7 @@ from jax.sharding import PartitionSpec as P
 import moe_hk
 from launch import settings as settings_lib
 from launch.configs import tiny
-from launch.planning import flops, step_model
+from launch.compiling import flops
 from launch.training import throughput
 from launch.training.steps import make_steps
 from moe_hk import megablox
@@ -88,8 +88,7 @@ def test_the_model_flops_behind_mfu_are_the_hand_count_of_the_tiny_model():
   causal_attention = 12 * c.num_layers * c.num_heads * c.head_dim * c.data.seq_len / 2 * tokens
   assert (total, active, tokens) == (70048, 33184, 256)
   hand = 6 * active * tokens + causal_attention
-  flops = step_model.step_flops(params, c, settings.layer)
-  assert throughput.model_flops(flops) == hand == 54_116_352
+  assert throughput.model_flops(params, c, settings.layer) == hand == 54_116_352
   # MFU: that many FLOPs a step, over the time and the devices, against the peak.
   per_device, mfu = throughput.mfu(hand, 0.5, 8, peak=989.0)
   assert per_device == pytest.approx(hand / 0.5 / 8 / 1e12) and mfu == per_device / 989.0

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from metrics import Aggregator, AlertConfig, AlertManager, MoEMetrics, MoEMetricsWriter
-from metrics.aggregator import AdviceSettings
+from metrics.evidence import Evidence
+from metrics.factor_rule import Rule
 from metrics.event_files import read_scalars
 from metrics.step_summaries import grey_png
 from metrics.writer import DROPLESS_STEPS_TAG
@@ -47,7 +48,7 @@ def test_duplicates_collapse_to_one_record_per_layer_and_remember_processes():
 def test_dropped_fraction_frequency_and_recommended_factor():
   """Without step timings the rule names the smallest candidate (multiples of 1/8) whose
   replayed fallback frequency is at most the target: the window's required factors decide."""
-  agg = Aggregator(window=4, advice=AdviceSettings(worst_case=8.0, target=0.25))
+  agg = Aggregator(Evidence(worst_case=8.0, window=4, rule=Rule(target=0.25, min_steps=1)))
   history = [(1.0, 0), (3.0, 1), (2.0, 0), (5.0, 1), (1.5, 0)]
   for step, (factor, fell_back) in enumerate(history):
     agg(_event(step, 0, fallback=fell_back, factor=factor, dropped=2 * (1 - fell_back)))
@@ -55,9 +56,10 @@ def test_dropped_fraction_frequency_and_recommended_factor():
   # The window holds the last 4 steps: factors 3, 2, 5, 1.5 and fallbacks 1, 0, 1, 0.
   assert m.fallback_frequency == 0.5
   # At 3.0 only the step needing 5.0 falls back (1 of 4 <= 25%); at 2.875 two do.
-  assert m.recommended_factor == 3.0 and m.advice.objective == "fallback_frequency"
-  assert m.advice.reason.startswith("ragged_buffer_factor=3 would have run the fallback on 1 "
-                                    "of the last 4 steps")
+  assert m.recommended_factor == 3.0 and m.advice.basis == "frequency"
+  assert m.advice.reason == ("use ragged_buffer_factor=3: the smallest factor that would have "
+                             "fallen back on at most 25% of the last 4 steps (1); it was never "
+                             "timed.")
   assert m.dropped_rows_fraction == 2 / 16
 
 
@@ -69,14 +71,14 @@ def test_the_recommendation_covers_the_steps_it_claims(required, recommended):
   """The recommended factor, replayed on the window, really avoids the fallback on the steps
   the message says: a required factor just above a multiple of 0.05 (or of 1/8) is covered
   by the next candidate up, never rounded below it."""
-  agg = Aggregator(window=10, advice=AdviceSettings(worst_case=4.0))
+  agg = Aggregator(Evidence(worst_case=4.0, window=10, rule=Rule(min_steps=1)))
   for step, factor in enumerate([1.5, 2.0, required, 1.8]):
     agg(_event(step, 0, factor=factor))
     m = agg.finish_step(step)
   assert m.recommended_factor == recommended
   assert m.recommended_factor >= required  # at it the layer overflows only if required > it
-  assert f"ragged_buffer_factor={recommended:g} would have run the fallback on 0 of the last 4 " \
-         "steps" in m.advice.reason
+  assert (f"ragged_buffer_factor={recommended:g}: the smallest factor that would have fallen "
+          "back on at most 1% of the last 4 steps (0)") in m.advice.reason
 
 
 def test_late_events_are_ignored_and_open_steps_bounded():
@@ -179,14 +181,16 @@ def test_thread_safe_under_concurrent_callbacks():
 
 
 class _Steps:
-  """Finished steps of a two-layer model whose layer 0 is described by the keywords."""
+  """Finished steps of a two-layer model whose layer 0 is described by the keywords (layer
+  1's by `layer1`); the factor rule weighs 10 steps and names a factor from 5 on."""
 
-  def __init__(self):
-    self.aggregator = Aggregator(window=10)
+  def __init__(self, factor: float | None = None):
+    self.aggregator = Aggregator(Evidence(worst_case=None, factor=factor, window=10,
+                                          rule=Rule(min_steps=5)))
 
-  def __call__(self, step, **layer0):
+  def __call__(self, step, layer1=None, **layer0):
     self.aggregator(_event(step, 0, **layer0))
-    self.aggregator(_event(step, 1, factor=0.5))
+    self.aggregator(_event(step, 1, **(layer1 or dict(factor=0.5))))
     return self.aggregator.finish_step(step)
 
 
@@ -243,6 +247,47 @@ def test_frequency_rule_fires_above_threshold_only(manager):
   frequency = f"{quiet[0].frequency:.0%}"
   assert f"the MoE layers overflowed on {frequency} of recent steps" in quiet[0].message
   assert "(none at this step)" in quiet[0].message and "layers []" not in quiet[0].message
+
+
+def test_fallback_ran_describes_the_whole_step(manager):
+  """Both layers fell back: the alert names both and the step's required factor (the maximum
+  over layers), as the step's `learning/moe_dropless_fallback_layers` and
+  `moe/required_ragged_buffer_factor` points say."""
+  m, received, _, steps = manager
+  step = steps(0, fallback=1, factor=2.31, would_drop=3,
+               layer1=dict(fallback=1, factor=3.39, would_drop=5))
+  [alert] = [a for a in m.check(step) if a.rule == "fallback_ran"]
+  assert step.fallback_layers == 2 and step.required_factor == pytest.approx(3.39)
+  assert alert.layers == [0, 1] and alert.required_factor == pytest.approx(3.39)
+  assert "layers [0, 1] ran the dropless fallback" in alert.message
+  assert "required factor 3.39" in alert.message
+
+
+def test_no_frequency_alert_or_recommendation_below_the_minimum_window(manager):
+  """Every step falls back: below the rule's 5 steps nothing is recommended and no
+  frequent_fallback fires (one step is no frequency); from the 5th step on both are there."""
+  m, received, _, steps = manager
+  for step in range(4):
+    metrics = steps(step, fallback=1, factor=1.8)
+    assert metrics.recommended_factor is None
+    assert metrics.advice.reason == f"{step + 1} of 5 steps of evidence: too few to name a " \
+                                    "factor yet."
+    assert "frequent_fallback" not in {a.rule for a in m.check(metrics)}
+  metrics = steps(4, fallback=1, factor=1.8)
+  assert metrics.recommended_factor == pytest.approx(1.8)
+  assert "frequent_fallback" in {a.rule for a in m.check(metrics)}
+
+
+def test_a_recommendation_of_the_factor_in_force_reads_keep():
+  steps = _Steps(factor=2.0)
+  for step in range(6):
+    metrics = steps(step, factor=1.9)
+  assert metrics.recommended_factor == 2.0 and metrics.advice.keep
+  assert metrics.advice.reason.startswith("keep ragged_buffer_factor=2: the smallest factor")
+  other = _Steps(factor=3.0)
+  for step in range(6):
+    metrics = other(step, factor=1.9)
+  assert metrics.advice.reason.startswith("use ragged_buffer_factor=2:")
 
 
 def test_drop_and_near_worst_case_rules(manager):

@@ -15,6 +15,8 @@ import pytest
 import metrics
 import moe_hk
 from metrics import writer as writer_lib
+from metrics.evidence import Evidence
+from metrics.factor_rule import Rule
 from metrics.event_files import has_hparams, read_histograms, read_images, read_scalars
 from moe_hk import dispatch_plan
 from tests.helpers import BASE, MESH_SHAPE, ROOT, free_port, unrolled_model
@@ -38,8 +40,10 @@ def trained_logdir(tmp_path_factory):
   params, state = jax.jit(model.init)(jax.random.key(0), batches[0], 0)
   step_fn = jax.jit(lambda p, s, xx, step: model.apply(p, s, None, xx, step))
   alerts, returned, reported = [], [], []
-  with metrics.MoEMetrics(workdir, worst_case_factor=dispatch_plan.worst_case_factor(8, 2, 4),
-                          alert_callback=alerts.append, window=2,
+  worst = dispatch_plan.worst_case_factor(8, 2, 4)
+  evidence = Evidence(worst_case=worst, window=2, rule=Rule(min_steps=1))
+  with metrics.MoEMetrics(workdir, worst_case_factor=worst, evidence=evidence,
+                          alert_callback=alerts.append,
                           hparams={"ragged_buffer_factor": 0.5},
                           flush_on_sigterm=False) as moe_metrics:
     for step in range(STEPS):

@@ -13,7 +13,7 @@ import pytest
 from jax.sharding import NamedSharding
 
 import moe_hk
-from launch.compiling import memory, topology
+from launch.training import memory, topology
 from moe_hk import mesh as mesh_lib
 from tests.helpers import require_libtpu, user_precision
 

@@ -17,8 +17,8 @@ import jax
 import jax.numpy as jnp
 
 import moe_hk
-from launch.compiling import memory
-from launch.planning import flops as flops_lib
+from launch.training import memory
+from launch.compiling import flops as flops_lib
 from launch.settings import Settings
 from launch.training import model as model_lib
 from launch.training.steps import abstract_inputs, make_steps

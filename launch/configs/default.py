@@ -70,18 +70,21 @@ def _telemetry(c: ml_collections.ConfigDict) -> None:
   # The routed traffic, rows per (device, expert) and step: WORKDIR/traffic, for the planner
   # (`launch.capacity`); the directory keeps at most max_mib, newest first.
   c.traffic = ml_collections.ConfigDict(dict(record=True, max_mib=1024))
-  # The buffer-factor autopilot (docs/autopilot.md). objective 'throughput': after each full
-  # `window` of steps, the factor (steps of 1/8) with the most predicted tokens/s, from the
-  # run's own timed steps, among those whose predicted fallback frequency is at most
-  # max_fallback_frequency (which also raises the factor at once when exceeded);
-  # 'fallback_frequency': the smallest factor whose predicted fallback frequency is at most
-  # target_fallback_frequency. Candidates compile in the background (at most max_programs);
+  # The factor rule's settings (docs/metrics.md; the alerts and the recommendation tag use
+  # them whether or not the autopilot is on): the smallest factor (steps of 1/8) that would
+  # have fallen back on at most target_fallback_frequency of the last `window` steps, unless
+  # a factor whose step time the run measured is faster beyond the noise and falls back on
+  # at most max_fallback_frequency; nothing below min_steps steps of evidence. objective
+  # 'fallback_frequency': the rule without the measured step times.
+  # The autopilot (enabled; docs/autopilot.md) moves to the rule's factor after each full
+  # window, and raises at once when the fallback ran on more than max_fallback_frequency of
+  # the last window / 4 steps. Candidates compile in the background (at most max_programs);
   # any over memory_budget_gib (0: the device's memory on TPU/GPU, none on CPU) is refused.
   # wait: wait for a candidate's compile (a reproducible factor schedule).
   c.autopilot = ml_collections.ConfigDict(dict(
       enabled=False, objective="throughput", target_fallback_frequency=0.01,
-      max_fallback_frequency=0.5, memory_budget_gib=0.0, window=100, max_programs=8,
-      wait=False))
+      max_fallback_frequency=0.5, memory_budget_gib=0.0, window=100, min_steps=20,
+      max_programs=8, wait=False))
   # MoE telemetry (TensorBoard tags, alerts); the training scalars are written either way.
   # False needs the layer's callbacks off too (moe.emit_fallback_events, moe.stream_step_stats).
   c.moe_metrics = True

@@ -1,2 +1,3 @@
-"""Planning the buffer factor: the autopilot, the step-time model, timed and compiled programs
-per factor, FLOPs, and the replay of recorded traffic behind `launch.capacity`."""
+"""Planning the buffer factor, host-only (numpy, no jax: an import-linter contract): the
+autopilot's controller and program cache, the replay of recorded traffic and the report behind
+`launch.capacity`."""

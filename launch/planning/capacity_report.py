@@ -1,10 +1,10 @@
 """What `launch.capacity` shows: the replayed factors as a table or JSON rows, the factor rule's
 answer in one line, and `capacity.png`.
 
-A row is one factor of `launch.planning.replay.plan`; `annotate` adds what the rule's candidates
-say of it (predicted seconds per step with their error, relative to the factor in force, and
-whether it is the pick). A price whose error is not known (one timed interval) shows as such,
-never as an infinite number.
+A row is one factor of `launch.planning.replay.plan`; `annotate` adds what the rule's rows say
+of it (the seconds per step measured at it with their error and basis, relative to the factor
+in force, and whether it is the pick: the pick is always a row). A price whose error is not
+known (one timed interval) shows as such, never as an infinite number.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import textwrap
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from metrics import factor_advice
+from metrics import factor_rule
 from metrics.traffic import Traffic
 
 GIB, MIB = 1024 ** 3, 1024 ** 2
@@ -31,20 +31,24 @@ def describe(traffic: Traffic, expert_shards: int, window: int) -> str:
           f"{skipped} file{'' if skipped == 1 else 's'} skipped")
 
 
-def annotate(results: list[dict], advice: factor_advice.Advice, current: float | None) -> None:
-  """Adds to each row of `results` its price from `advice`'s candidates (`step_seconds`,
-  `step_seconds_se`: None when not known), `relative_step_time` (to the factor in force) and
-  `pick`."""
-  by_factor = {c.factor: c for c in advice.candidates}
-  now = by_factor.get(current)
+def annotate(results: list[dict], advice: factor_rule.Advice) -> None:
+  """Adds to each row of `results` what the rule's rows say of its factor: the price
+  (`step_seconds`, `step_seconds_se`: None when not known), its `basis` ('measured', 'timed',
+  None: never timed), `relative_step_time` (to the factor in force, when both are priced)
+  and `pick`."""
+  rows = {r.factor: r for r in advice.rows}
+  at = lambda f: next((r for g, r in rows.items() if math.isclose(g, f)), None)
+  now = at(advice.current) if advice.current is not None else None
+  base = now.price if now is not None else None
   for r in results:
-    c = by_factor.get(r["factor"])
-    seconds = c.seconds if c is not None and math.isfinite(c.seconds) else None
-    r["step_seconds"] = seconds
-    r["step_seconds_se"] = c.se if seconds is not None and math.isfinite(c.se) else None
-    r["relative_step_time"] = (seconds / now.seconds if seconds is not None and now is not None
-                               and math.isfinite(now.seconds) else None)
-    r["pick"] = r["factor"] == advice.factor
+    row = at(r["factor"])
+    price = None if row is None else row.price
+    r["step_seconds"] = None if price is None else price.seconds
+    r["step_seconds_se"] = price.se if price is not None and math.isfinite(price.se) else None
+    r["basis"] = None if price is None else price.basis
+    r["relative_step_time"] = (price.seconds / base.seconds if price is not None and
+                               base is not None and base.basis == price.basis else None)
+    r["pick"] = advice.factor is not None and math.isclose(r["factor"], advice.factor)
 
 
 def memory_unit(results: list[dict]) -> tuple[str, int]:
@@ -55,22 +59,19 @@ def memory_unit(results: list[dict]) -> tuple[str, int]:
 
 def _price(r: dict) -> str:
   if r["step_seconds"] is None:
-    return "-"
-  if r["step_seconds_se"] is None:
-    return f"{r['step_seconds']:.4f} (error unknown)"
-  return f"{r['step_seconds']:.4f} ± {r['step_seconds_se']:.4f}"
+    return "- (never timed)"
+  error = "error unknown" if r["step_seconds_se"] is None else f"± {r['step_seconds_se']:.4f}"
+  return f"{r['step_seconds']:.4f} {error} ({r['basis']})"
 
 
 def table(results: list[dict], run_factors: set[float]) -> str:
   """`results` as a markdown table, the run's own factors and the pick marked."""
   memory = "memory_bytes_per_device" in results[0]
   timed = any(r["step_seconds"] is not None for r in results)
-  capped = "capped_step_seconds" in results[0]
   unit, size = memory_unit(results) if memory else (None, None)
   head = (["factor", "buffer rows", "fallback frequency", "overflowing layers (mean)",
            "would drop"] + ([f"memory / device ({unit})"] if memory else []) +
-          (["capped s / step (timed here)"] if capped else []) +
-          (["s / step (predicted)", "relative step time"] if timed else []))
+          (["s / step (basis)", "relative step time"] if timed else []))
   lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
   for r in results:
     marks = [m for m, on in (("run", r["factor"] in run_factors), ("pick", r["pick"])) if on]
@@ -79,8 +80,6 @@ def table(results: list[dict], run_factors: set[float]) -> str:
              f"{r['overflowing_layers_mean']:.2f}", f"{r['would_drop_fraction']:.3%}"]
     if memory:
       cells.append(f"{r['memory_bytes_per_device'] / size:.2f}")
-    if capped:
-      cells.append(f"{r['capped_step_seconds']:.4f}")
     if timed:
       relative = r["relative_step_time"]
       cells += [_price(r), "-" if relative is None else f"{relative:.3f}"]
@@ -88,16 +87,13 @@ def table(results: list[dict], run_factors: set[float]) -> str:
   return "\n".join(lines)
 
 
-def pick_line(advice: factor_advice.Advice, adaptive: bool) -> str:
-  """One line: the factor the rule names and why, or why it names none; `adaptive`: the run
-  chunked its fallbacks adaptively, so their prices are upper bounds."""
+def pick_line(advice: factor_rule.Advice) -> str:
+  """One line: the factor the rule names and why, or why it names none."""
   head = f"pick: {advice.factor:g}" if advice.factor is not None else "pick: none"
-  note = ("; adaptive chunking: fallbacks priced at their most chunks"
-          if adaptive and advice.objective == "throughput" else "")
-  return f"{head} ({advice.objective}): {advice.reason}{note}"
+  return f"{head} ({advice.basis or 'no factor'}): {advice.reason}"
 
 
-def plot(results: list[dict], run_factors: set[float], advice: factor_advice.Advice,
+def plot(results: list[dict], run_factors: set[float], advice: factor_rule.Advice,
          title: str, path: str) -> None:
   """Fallback frequency and would-drop fraction against the factor, memory on a second axis;
   below, when priced, the relative step time with a band of two standard errors; the pick (or
@@ -139,7 +135,7 @@ def _step_time_axes(ax, results: list[dict]) -> None:
   rows = [r for r in results if r["relative_step_time"] is not None]
   x = [r["factor"] for r in rows]
   y = [r["relative_step_time"] for r in rows]
-  ax.plot(x, y, "d-", color="C3", label="relative step time (predicted, 1 = the run's)")
+  ax.plot(x, y, "d", color="C3", label="relative step time (measured, 1 = the run's)")
   band = [(r["factor"], r["relative_step_time"],
            2 * r["step_seconds_se"] * r["relative_step_time"] / r["step_seconds"])
           for r in rows if r["step_seconds_se"] is not None]

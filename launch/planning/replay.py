@@ -1,66 +1,73 @@
-"""Replaying a run's recorded MoE traffic at other buffer factors, and pricing them.
+"""Replaying a run's recorded MoE traffic at other buffer factors, and the factor rule on it.
 
 `plan` replays every recorded step and MoE layer (`metrics.traffic`) through the capped buffer
-of each candidate `ragged_buffer_factor` (`moe_hk.dispatch_plan`): how often the fallback
-would run, how many layers per step, what would drop without it. `advise` names the factor to
-use by the rule the alerts and the autopilot follow (`metrics.factor_advice`), on the same
-evidence: the recorded steps' required factors (`window`: the trailing window the run weighs)
-and, priced by the run's own timed intervals (`launch.planning.step_model`), its step times.
-`launch.capacity` prints and plots them.
+of each candidate `ragged_buffer_factor`, as `moe_hk.dispatch_plan` sizes and fills it: how
+often the fallback would run, how many layers per step, what would drop without it. `advise`
+names the factor by the rule the alerts and the autopilot follow (`metrics.factor_rule`), on
+the same evidence: the window's required factors, priced by the run's own timed intervals at
+the factors it ran ('measured') or by capped steps timed apart ('timed', `launch.capacity
+--time_config`). Host-only: numpy, no jax.
 """
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Callable, Sequence
 
-import jax
 import numpy as np
 
-from launch.planning import step_model
-from metrics import factor_advice
+from metrics import factor_rule
 from metrics.traffic import Traffic
-from moe_hk import dispatch_plan
 
 DEFAULT_FACTORS = (1.0, 1.25, 1.5, 2.0, 3.0)
 
-# [M, P, P] traffic matrices -> [M] rows beyond a buffer of R rows (R traced: one compile).
-_overflow_rows = jax.jit(jax.vmap(dispatch_plan.overflow_rows, in_axes=(0, None)))
+
+def worst_case_factor(experts: int, k: int, shards: int) -> float:
+  """min(P, E / K): the factor of the worst-case buffer (`moe_hk.dispatch_plan`'s)."""
+  return min(shards, experts / k)
 
 
-def group_traffic(counts: np.ndarray, expert_shards: int) -> jax.Array:
-  """`A [n, layers, G, P, P]` from `counts [n, layers, devices, E]`: G = devices / P groups."""
+def buffer_rows(shards: int, tokens: int, k: int, local_experts: int, factor: float) -> int:
+  """R per receiving shard, as `moe_hk.dispatch_plan.buffer_rows` sizes it: floor(N x factor)
+  capped at the worst case P x T x min(K, L); -1 is the worst case."""
+  worst = shards * tokens * min(k, local_experts)
+  rows = worst if factor == -1 else min(math.floor(tokens * k * factor), worst)
+  if rows < 1:
+    raise ValueError(f"ragged_buffer_factor={factor:g} leaves a receive buffer of {rows} rows "
+                     f"for {tokens * k} routed rows per shard.")
+  return rows
+
+
+def group_traffic(counts: np.ndarray, expert_shards: int) -> np.ndarray:
+  """`A [n, layers, G, P, P]` (sender, receiver) from `counts [n, layers, devices, E]`: G =
+  devices / P groups, each receiver holding E / P consecutive experts."""
   n, layers, devices, experts = counts.shape
   for what, size in (("recorded devices", devices), ("experts", experts)):
     if expert_shards < 1 or size % expert_shards:
       raise ValueError(f"expert_shards={expert_shards} must divide the {size} {what}.")
-  groups = counts.reshape(-1, expert_shards, experts)  # [n * layers * G, P, E]
-  return jax.vmap(dispatch_plan.traffic_matrix)(groups).reshape(
-      n, layers, devices // expert_shards, expert_shards, expert_shards)
+  p = expert_shards
+  return counts.astype(np.int64).reshape(n, layers, devices // p, p, p, experts // p).sum(-1)
 
 
 def plan(traffic: Traffic, factors: Sequence[float],
          expert_shards: int | None = None) -> list[dict]:
-  """Per factor, what a capped buffer would have done on every recorded step and MoE layer.
-
-  One dict per factor, in the order given, with the keys of the module docstring (no memory).
-  """
+  """Per factor (in the order given), what a capped buffer would have done on every recorded
+  step and MoE layer: `factor`, `fallback_frequency`, `overflowing_layers_mean`,
+  `would_drop_fraction`, `buffer_rows`, `expert_shards`."""
   shards = traffic.expert_shards if expert_shards is None else expert_shards
-  matrices = group_traffic(traffic.counts, shards)
-  flat = matrices.reshape(-1, shards, shards)
+  received = group_traffic(traffic.counts, shards).sum(axis=-2)  # [n, layers, G, P]
   local = traffic.counts.shape[-1] // shards
   routed = traffic.counts.sum(dtype=np.int64)
   results = []
   for factor in factors:
-    rows = dispatch_plan.buffer_rows(shards, traffic.tokens_per_device, traffic.k, local, factor)
-    beyond = np.asarray(_overflow_rows(flat, rows)).reshape(matrices.shape[:3])  # [n, layers, G]
-    overflowing = (beyond > 0).any(axis=2)                                        # [n, layers]
+    rows = buffer_rows(shards, traffic.tokens_per_device, traffic.k, local, factor)
+    beyond = np.maximum(received - rows, 0).sum(axis=-1)   # [n, layers, G]
+    overflowing = (beyond > 0).any(axis=2)                 # [n, layers]
     results.append(dict(
         factor=float(factor),
         fallback_frequency=float(overflowing.any(axis=1).mean()),
         overflowing_layers_mean=float(overflowing.sum(axis=1).mean()),
-        would_drop_fraction=float(beyond.sum(dtype=np.int64) / routed),
-        buffer_rows=rows,
-        expert_shards=shards))
+        would_drop_fraction=float(beyond.sum() / routed),
+        buffer_rows=rows, expert_shards=shards))
   return results
 
 
@@ -77,61 +84,45 @@ def required_factors(traffic: Traffic, expert_shards: int | None = None) -> np.n
   """`[steps, layers]`: each step's required buffer factor per MoE layer, the largest over
   its expert groups and receivers of the received rows over N (what `MoEStats` reports)."""
   shards = traffic.expert_shards if expert_shards is None else expert_shards
-  received = np.asarray(group_traffic(traffic.counts, shards)).sum(axis=-2)  # [n, L, G, P]
+  received = group_traffic(traffic.counts, shards).sum(axis=-2)  # [n, layers, G, P]
   return received.max(axis=(2, 3)) / (traffic.tokens_per_device * traffic.k)
 
 
-def rule_price(traffic: Traffic, timed: dict[float, float] | None = None
-               ) -> factor_advice.Price | None:
-  """The factor rule's price from the run's timed intervals (for the recorded
-  expert-parallel size), scaled to the factors the run did not train at by `timed`
-  (`{factor: seconds of a capped step}`, `launch.planning.capped_timing`) where it has the
-  factor and a measured one; None when the traffic has no timings or run shape. With adaptive
-  chunking a fallback is priced at its most chunks (`step_model.fallback_chunks`): an upper
-  bound."""
-  shape, timings = traffic.shape, traffic.timings
-  if shape is None or timings is None or not len(timings.seconds):
-    return None
-  shards, experts = traffic.expert_shards, traffic.counts.shape[-1]
-  # The model prices a factor by its buffer's size: the worst case (-1) as its factor.
-  worst = dispatch_plan.worst_case_factor(experts, traffic.k, shards)
-  size = lambda factor: float(factor) if factor > 0 else worst
-  flops = step_model.StepFlops(shape.flops_fixed, shape.flops_per_factor,
-                               moe_layers=traffic.counts.shape[1])
-
-  def chunks(factor: float) -> float:
-    return step_model.fallback_chunks(
-        factor, tokens_per_device=traffic.tokens_per_device, seq_len=shape.seq_len, k=traffic.k,
-        shards=shards, local_experts=experts // shards, requested=shape.requested_chunks)
-  sized = timings._replace(factors=np.asarray([size(f) for f in timings.factors]))
-  return step_model.rule_price(sized, flops, chunks,
-                               {size(f): s for f, s in (timed or {}).items()})
+def _worst(traffic: Traffic, shards: int) -> float:
+  return worst_case_factor(traffic.counts.shape[-1], traffic.k, shards)
 
 
 def run_factor(traffic: Traffic) -> float:
-  """The factor in force at the newest recorded step (the worst case for -1)."""
+  """The factor in force at the newest recorded step (the worst case's for -1)."""
   factor = float(traffic.factors[-1])
-  experts = traffic.counts.shape[-1]
-  return factor if factor > 0 else dispatch_plan.worst_case_factor(experts, traffic.k,
-                                                                   traffic.expert_shards)
+  return factor if factor > 0 else _worst(traffic, traffic.expert_shards)
 
 
-def advise(traffic: Traffic, *, max_frequency: float, target: float,
-           expert_shards: int | None = None, factors: Sequence[float] | None = None,
-           timed: dict[float, float] | None = None,
-           fits=lambda factor: True) -> factor_advice.Advice:
-  """The shared factor rule (`metrics.factor_advice`) on `traffic`'s steps (window them with
-  `window`): priced by the run's timings when they are for this expert-parallel size.
-  `factors` restricts the candidates (default: the rule's, multiples of 1/8)."""
+def measured(traffic: Traffic) -> dict[float, factor_rule.Price]:
+  """Seconds per step at each factor the run timed (its clean intervals, fallbacks included);
+  the worst-case buffer (-1) at its factor."""
+  timings = traffic.timings
+  if timings is None or not len(timings.seconds):
+    return {}
+  worst = _worst(traffic, traffic.expert_shards)
+  factors = [float(f) if f > 0 else worst for f in timings.factors]
+  return factor_rule.measured_prices(factors, timings.steps, timings.seconds)
+
+
+def advise(traffic: Traffic, *, rule: factor_rule.Rule, expert_shards: int | None = None,
+           factors: Sequence[float] | None = None,
+           prices: dict[float, factor_rule.Price] | None = None,
+           fits: Callable[[float], bool] = lambda factor: True) -> factor_rule.Advice:
+  """The factor rule on `traffic`'s steps (window them with `window`), with `prices` (default:
+  the run's measured ones, which hold for its own expert-parallel size only); `factors`
+  restricts the candidates (default: the rule's, multiples of 1/8)."""
   shards = traffic.expert_shards if expert_shards is None else expert_shards
-  experts = traffic.counts.shape[-1]
-  price = rule_price(traffic, timed) if shards == traffic.expert_shards else None
-  return factor_advice.advise(
-      required_factors(traffic, shards),
-      worst_case=dispatch_plan.worst_case_factor(experts, traffic.k, shards),
-      current=run_factor(traffic) if shards == traffic.expert_shards else None,
-      max_frequency=max_frequency if price else 1.0, target=target, price=price, fits=fits,
-      factors=factors)
+  own = shards == traffic.expert_shards
+  if prices is None:
+    prices = measured(traffic) if own else {}
+  return factor_rule.advise(required_factors(traffic, shards), worst_case=_worst(traffic, shards),
+                            rule=rule, prices=prices, current=run_factor(traffic) if own else None,
+                            fits=fits, factors=factors)
 
 
 def factor_list(values: list[str] | None, traffic: Traffic) -> list[float]:
@@ -150,7 +141,8 @@ def factor_list(values: list[str] | None, traffic: Traffic) -> list[float]:
 
 
 def check_routing(layer, traffic: Traffic, flag: str) -> None:
-  """ValueError unless `config` (--`flag`) routes like the recorded run: experts and top-K."""
+  """ValueError unless `layer` (an `moe_hk.MoEConfig` from --`flag`) routes like the recorded
+  run: experts and top-K."""
   experts = traffic.counts.shape[-1]
   if (layer.num_experts, layer.num_experts_per_tok) != (experts, traffic.k):
     raise ValueError(f"--{flag} has {layer.num_experts} experts, top-"

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Callable, Protocol
 import numpy as np
 
 from launch.errors import UserError
+from launch.settings import DATA_SOURCES
 
 # grain is imported only where it is used: `import grain` imports jax whenever jax is installed,
 # and importing this module, or reading the byte sources, should import neither.
@@ -45,7 +46,7 @@ if TYPE_CHECKING:
   import grain
 
 VOCAB_SIZE = 256  # bytes
-SOURCES = ("stdlib", "synthetic", "files", "array_record")
+SOURCES = DATA_SOURCES
 EVAL_FRACTION = 0.05
 # Each element a grain iterator prefetches is a whole [b, W] batch: a short queue bounds the
 # host memory it holds, a few threads keep reads ahead of the train step.

@@ -14,7 +14,7 @@ import jax
 import numpy as np
 
 import metrics
-from launch.planning import autopilot, step_model
+from launch.planning import autopilot
 from launch.training import console as console_lib, throughput
 from metrics import traffic
 
@@ -56,21 +56,19 @@ class Reporter:
   """Fetches pending steps' outputs from the device in one transfer and writes every step's
   points: training scalars always (to the run's `writer`); the MoE telemetry when
   `config.moe_metrics`; the routed traffic to `WORKDIR/traffic` (process 0) when
-  `config.traffic.record`; feeds the autopilot, if any; prints the interval's progress line.
-  Cleanly timed intervals price the buffer factors (`pricing`) for the telemetry's factor rule,
-  as they do for the autopilot and the planner."""
+  `config.traffic.record`; hands each finished step to the autopilot, if any; prints the
+  interval's progress line. A cleanly timed interval that ran one factor goes to the factor
+  rule's evidence (`metrics.evidence`), which prices that factor."""
 
   def __init__(self, config, writer: metrics.MoEMetricsWriter, moe_metrics: metrics.MoEMetrics,
                speed: Speed, recorder: traffic.TrafficRecorder | None,
                pilot: autopilot.Autopilot | None, console: console_lib.Console,
-               pricing: autopilot.Pricing, position: Callable[[int], dict],
+               position: Callable[[int], dict],
                batch_command: Callable[[int], str]):
     self.config = config
-    self.pricing = pricing
     self.speed = speed
     # step -> where its batch came from, and the command that prints it (skip alerts).
     self.position, self.batch_command = position, batch_command
-    self._intervals: list[tuple[float, int, int, float]] = []  # clean: factor, steps, chunks, s
     self.writer = writer
     self.moe_metrics = moe_metrics
     self.recorder = recorder
@@ -111,11 +109,7 @@ class Reporter:
     clean = self._timed_cleanly()
     chunks = [out["moe_stats"].fallback_chunks for out in fetched]
     if clean and len({p.factor for p in pending}) == 1:
-      self._priced(pending[0].factor, len(pending), int(np.sum(chunks)), seconds)
-      if self.pilot is not None:
-        self.pilot.observe_interval(pending[0].factor, len(pending), int(np.sum(chunks)),
-                                    seconds,
-                                    steps_left=self.config.train_steps - pending[-1].step - 1)
+      self.moe_metrics.aggregator.evidence.add_interval(pending[0].factor, len(pending), seconds)
     if self.recorder is not None:
       self.recorder.append([p.step for p in pending],
                            np.stack([out["moe_stats"].routed_rows_per_device for out in fetched]),
@@ -129,15 +123,6 @@ class Reporter:
       self.writer.flush(wait=False)
     self._progress(pending, interval, seconds, stopping, cut_short)
     pending.clear()
-
-  def _priced(self, factor: float, steps: int, chunks: int, seconds: float) -> None:
-    """Adds a cleanly timed interval to the evidence the telemetry's factor rule prices with."""
-    self._intervals.append((factor, steps, chunks, seconds))
-    factors, steps_, chunks_, seconds_ = (np.asarray(c) for c in zip(*self._intervals))
-    timings = traffic.Timings(factors.astype(np.float64), steps_, np.zeros_like(steps_),
-                              chunks_, seconds_.astype(np.float64))
-    self.moe_metrics.aggregator.price = step_model.rule_price(timings, self.pricing.flops,
-                                                              self.pricing.chunks)
 
   def _report_steps(self, pending: list[Pending], fetched: list[dict], seconds: float,
                     timed: bool) -> _Interval:
@@ -162,12 +147,11 @@ class Reporter:
       if self.config.moe_metrics:
         scalars["moe/ragged_buffer_factor"] = p.factor
         self.moe_metrics.report_step(
-            p.step, stats, factor=p.factor,
-            dropless_steps=self.dropless_steps if "dropless" in out else None)
+            p.step, stats, dropless_steps=self.dropless_steps if "dropless" in out else None)
       self.writer.write_scalars(p.step, scalars)
       self._skip_alerts(p.step, out, skipped, spike)
       if self.pilot is not None:
-        self.pilot.observe(stats)
+        self.pilot.step_finished(steps_left=self.config.train_steps - p.step - 1)
     totals.steps += len(pending)
     totals.fallback_steps += fallbacks
     totals.dropped_rows += dropped

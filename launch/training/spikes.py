@@ -16,7 +16,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-MIN_STEPS = 4  # applied steps in the window before any step is judged
+from launch.settings import SPIKE_MIN_STEPS
+
+MIN_STEPS = SPIKE_MIN_STEPS  # applied steps in the window before any step is judged
 
 
 class SpikeWindow(NamedTuple):

@@ -18,7 +18,7 @@ import ml_collections
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from launch.compiling import memory
+from launch.training import memory
 from launch.settings import Settings
 from launch.training import sharding, spikes as spikes_lib
 from launch.training.model import Transformer, cross_entropy

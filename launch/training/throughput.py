@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 
-from launch.planning import step_model
+from launch.training import model
 
 # Dense bfloat16 TFLOP/s per chip (the vendors' figures), keyed by a lower-case substring of
 # `jax.Device.device_kind` ('TPU v5p', 'TPU v5 lite', 'NVIDIA H200', ...). Longest match wins.
@@ -42,10 +42,14 @@ def peak_tflops(device_kind: str, platform: str, override: float = 0.0) -> float
   return PEAK_TFLOPS[max(matches, key=len)] if matches else None
 
 
-def model_flops(flops: step_model.StepFlops) -> float:
-  """The model's matmul FLOPs of one train step: the step's FLOPs with every expert's rows
-  at their balanced share (`StepFlops.at(1.0)`: 6 x active parameters x tokens + attention)."""
-  return flops.at(1.0)
+def model_flops(params, config, layer) -> float:
+  """The model's matmul FLOPs of one train step of `config`'s model with `params` (arrays or
+  shapes) and MoE layers `layer` (`moe_hk.MoEConfig`): 6 x active parameters x tokens (each
+  token runs K of the E routed experts) plus attention's."""
+  total, routed = model.parameter_counts(params)
+  active = total - routed + routed * layer.num_experts_per_tok / layer.num_experts
+  tokens = config.data.batch_size * config.data.seq_len
+  return 6.0 * active * tokens + model.attention_flops(config)
 
 
 def mfu(flops_per_step: float, seconds_per_step: float, devices: int,

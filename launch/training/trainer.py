@@ -27,16 +27,17 @@ from jax.experimental import multihost_utils
 import metrics
 import moe_hk
 from launch.errors import Interrupted, UserError, user_errors
-from launch.planning import autopilot, programs, step_model
+from launch.planning import autopilot
 from launch import cli, settings as settings_lib
 from launch.settings import Settings
 from launch.training import console as console_lib
 from launch.training import data as data_lib
-from launch.training import throughput
+from launch.training import programs, throughput
 from launch.training.checkpoints import Checkpoints, Restored
 from launch.training.reporter import Pending, Reporter, Speed
 from launch.training.steps import Steps, abstract_inputs, make_steps
-from metrics import traffic
+from metrics import factor_rule, traffic
+from metrics.evidence import Evidence
 from metrics.alerts import ALERTS_FILE
 from moe_hk import dispatch_plan
 
@@ -143,31 +144,23 @@ def _tokens_per_device(config) -> int:
   return config.data.batch_size * config.data.seq_len // jax.device_count()
 
 
-def _pricing(settings: Settings, flops: step_model.StepFlops) -> autopilot.Pricing:
-  """What prices a buffer factor besides the timings: the step's matmul FLOPs and the fallback
-  chunks a layer that overflows runs at a factor."""
-  layer, config, shards = settings.layer, settings.config, settings.expert_shards
-
-  def chunks(factor: float) -> float:
-    return step_model.fallback_chunks(
-        factor, tokens_per_device=_tokens_per_device(config), seq_len=config.data.seq_len,
-        k=layer.num_experts_per_tok, shards=shards, local_experts=layer.num_experts // shards,
-        requested=layer.dropless_fallback_num_chunks)
-  return autopilot.Pricing(flops, chunks)
+def _evidence(settings: Settings, worst_case: float) -> Evidence:
+  """The factor rule's evidence of the run (`config.autopilot` holds the rule's settings for
+  every use); `worst_case` is the worst-case buffer's factor, the highest candidate."""
+  section, factor = settings.config.autopilot, settings.layer.ragged_buffer_factor
+  rule = factor_rule.Rule(section.target_fallback_frequency, section.max_fallback_frequency,
+                          min_steps=section.min_steps)
+  return Evidence(worst_case=worst_case, factor=factor if factor > 0 else worst_case, rule=rule,
+                  window=section.window, priced=section.objective == "throughput")
 
 
-def _autopilot(run: _Run, moe_metrics: metrics.MoEMetrics, worst_case: float,
-               pricing: autopilot.Pricing) -> autopilot.Autopilot | None:
-  """The buffer-factor autopilot of `config.autopilot`, or None when it is off; `worst_case`
-  is the worst-case buffer's factor, its highest candidate."""
+def _autopilot(run: _Run, moe_metrics: metrics.MoEMetrics) -> autopilot.Autopilot | None:
+  """The buffer-factor autopilot of `config.autopilot`, or None when it is off."""
   settings = run.settings
-  pilot, layer = settings.config.autopilot, settings.layer
+  pilot = settings.config.autopilot
   if not pilot.enabled:
     return None
-  controller = autopilot.FactorController(
-      layer.ragged_buffer_factor, target=pilot.target_fallback_frequency,
-      worst_case=worst_case, window=pilot.window, objective=pilot.objective,
-      max_frequency=pilot.max_fallback_frequency, pricing=pricing)
+  controller = autopilot.FactorController(moe_metrics.aggregator.evidence, window=pilot.window)
   cache = autopilot.ProgramCache(programs.compiler(settings, run.mesh, run.steps),
                                  budget_bytes=programs.memory_budget_bytes(settings, run.mesh),
                                  max_programs=pilot.max_programs)
@@ -345,22 +338,19 @@ def _train(run: _Run, state, stop_after: int | None) -> _Loop:
   settings, layer, workdir = run.settings, run.settings.layer, run.workdir
   worst = dispatch_plan.worst_case_factor(layer.num_experts, layer.num_experts_per_tok,
                                           settings.expert_shards)
-  pilot, rule = None, settings.config.autopilot  # the factor rule's settings, for all uses
+  pilot = None
   try:
     # The run's event files: the trainer's scalars, and the MoE layers' through moe_metrics.
     with metrics.MoEMetricsWriter(workdir) as writer, metrics.MoEMetrics(
-        workdir, worst_case_factor=worst, window=rule.window,
-        max_fallback_frequency=rule.max_fallback_frequency,
-        target_fallback_frequency=rule.target_fallback_frequency, writer=writer,
+        workdir, worst_case_factor=worst, evidence=_evidence(settings, worst), writer=writer,
         flush_on_sigterm=False, alert_sinks=jax.process_index() == 0) as moe_metrics:
       writer.write_hparams(flat_hparams(settings.config))
-      flops = step_model.step_flops(state.params, settings.config, layer)
-      pricing = _pricing(settings, flops)
-      pilot = _autopilot(run, moe_metrics, worst, pricing)
+      pilot = _autopilot(run, moe_metrics)
       train, factor = _resume(run, moe_metrics, pilot)
+      flops = throughput.model_flops(state.params, settings.config, layer)
       reporter = Reporter(settings.config, writer, moe_metrics, _speed(settings, flops),
-                          _recorder(run, flops), pilot, run.console, pricing,
-                          run.data.position, functools.partial(_batch_command, workdir))
+                          _recorder(run), pilot, run.console, run.data.position,
+                          functools.partial(_batch_command, workdir))
       loop = _Loop(run, state, reporter, moe_metrics, pilot, stop_after)
       try:
         loop.run(train, factor)
@@ -384,6 +374,9 @@ def _resume(run: _Run, moe_metrics: metrics.MoEMetrics, pilot: autopilot.Autopil
       pilot.load_state_dict(restored.autopilot)
     run.console.line(f"resumed from step {restored.step} ({run.checkpoints.directory})")
   if pilot is None:
+    # Without the autopilot the config's factor is in force, whatever the checkpoint's was.
+    moe_metrics.aggregator.evidence.set_factor(
+        factor if factor > 0 else moe_metrics.alerts.worst_case_factor)
     return run.steps.train, factor
   if pilot.factor != factor:
     return pilot.cache.compile_now(pilot.factor).step, pilot.factor
@@ -396,25 +389,22 @@ def _batch_command(workdir: str, step: int) -> str:
   return cli.runnable("python", "-m", "launch.batch", f"--workdir={workdir}", f"--step={step}")
 
 
-def _speed(settings: Settings, flops: step_model.StepFlops) -> Speed:
-  """The model's FLOPs per step and the devices' peak, for the MFU."""
+def _speed(settings: Settings, flops: float) -> Speed:
+  """The model's FLOPs per step (`flops`) and the devices' peak, for the MFU."""
   config, device = settings.config, jax.devices()[0]
-  return Speed(config.data.batch_size * config.data.seq_len, throughput.model_flops(flops),
+  return Speed(config.data.batch_size * config.data.seq_len, flops,
                jax.device_count(), throughput.peak_tflops(device.device_kind, device.platform,
                                                           config.peak_tflops_per_device))
 
 
-def _recorder(run: _Run, flops: step_model.StepFlops) -> traffic.TrafficRecorder | None:
+def _recorder(run: _Run) -> traffic.TrafficRecorder | None:
   """Process 0's traffic recorder when `config.traffic.record`, else None."""
   config, layer = run.settings.config, run.settings.layer
   if not (config.traffic.record and jax.process_index() == 0):
     return None
   return traffic.TrafficRecorder(
       run.workdir, expert_shards=run.settings.expert_shards, k=layer.num_experts_per_tok,
-      tokens_per_device=_tokens_per_device(config), max_bytes=config.traffic.max_mib * 1024 ** 2,
-      shape=traffic.RunShape(config.data.seq_len,
-                             layer.dropless_fallback_chunking == "adaptive",
-                             layer.dropless_fallback_num_chunks, flops.fixed, flops.per_factor))
+      tokens_per_device=_tokens_per_device(config), max_bytes=config.traffic.max_mib * 1024 ** 2)
 
 
 def _summary(run: _Run, reporter: Reporter, first: int, seconds: float, alerts: int) -> None:

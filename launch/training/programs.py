@@ -8,7 +8,7 @@ from typing import Callable
 
 from jax.sharding import Mesh
 
-from launch.compiling import memory
+from launch.training import memory
 from launch.planning.autopilot import Program
 from launch.settings import Settings
 from launch.training.steps import Steps, abstract_inputs, make_steps
