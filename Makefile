@@ -21,12 +21,15 @@ $(STAMP): pyproject.toml constraints.txt
 	$(VENV)/bin/python -m pip install -q -c constraints.txt -e '.[tpu,test]'
 	touch $@
 
-# Everything, the slow end-to-end cases included: what CI runs.
+# Everything, the slow end-to-end cases included: what CI runs. First the layering contracts
+# (pyproject.toml's [tool.importlinter]): an import that runs up a layer fails the build.
 test: $(STAMP)
+	$(VENV)/bin/lint-imports
 	$(PYTEST) tests
 
 # The edit-test loop: every test not marked slow.
 test-fast: $(STAMP)
+	$(VENV)/bin/lint-imports
 	$(PYTEST) -m "not slow" tests
 
 # The main job: trains the default MoE transformer on 8 simulated CPU devices (resumes if
