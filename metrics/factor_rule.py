@@ -2,11 +2,16 @@
 
 The rule, in two sentences:
 
-  Name the smallest factor whose fallback frequency over the evidence window is at most the
-  target (1%) and that fits the memory budget. If that factor's step time was measured, name
-  instead the fastest measured factor that falls back on at most `max_frequency` (50%) of the
-  window and fits, when it is faster by more than `min_gain` (3%) of a step and by twice the
-  two measurements' combined standard error.
+  Name the smallest factor that would have fallen back on at most the target (1%) of the
+  window's steps and fits the memory budget, unless a smaller factor that falls back on at
+  most `max_frequency` (50%) of them and fits was measured: then name the fastest such
+  measured factor. A measured frequency pick, or else the factor in force, is kept unless that
+  factor beats it by more than `min_gain` (3%) of a step and twice their combined standard
+  error.
+
+Why smaller factors only: every factor above the frequency pick falls back as rarely and has a
+bigger buffer, so the pick is at least as fast; a smaller one falls back more often, and only
+its measured steps (fallbacks included) can say whether its smaller buffer wins.
 
 With fewer than `min_steps` steps of evidence the rule names nothing; when the factor it names
 is the one in force, its answer reads "keep". A price is only ever a measurement taken at that
@@ -139,30 +144,33 @@ def advise(required: np.ndarray, *, worst_case: float, rule: Rule = Rule(),
     return answer(None, f"no factor that fits the memory budget falls back on at most "
                   f"{rule.target:.0%} of the last {steps} steps.")
   smallest = covering[0]
-  faster = _faster(smallest, rows, rule)
-  if faster is None:
+  below = [r for r in rows if r.factor < smallest.factor and r.price is not None and r.fits
+           and r.fallback_frequency <= rule.max_frequency]
+  if not below:
     return answer(smallest.factor, _frequency_reason(smallest, rule, steps, current),
                   "frequency")
-  return answer(faster.factor, _speed_reason(faster, smallest, rule, steps, current),
-                faster.price.basis)
+  best = min(below, key=lambda r: r.price.seconds)
+  now = next((r for r in below if current is not None and math.isclose(r.factor, current)), None)
+  kept = smallest if smallest.price is not None else now  # kept within the noise
+  if kept is not None and kept is not best and not _beats(best, kept, rule):
+    best = kept
+  if best is smallest:
+    return answer(smallest.factor, _frequency_reason(smallest, rule, steps, current),
+                  smallest.price.basis)
+  beaten = kept if kept is not None and kept is not best else None
+  return answer(best.factor, _speed_reason(best, smallest, beaten, rule, steps, current),
+                best.price.basis)
 
 
 def _price_at(prices: Mapping[float, Price], factor: float) -> Price | None:
   return next((p for f, p in prices.items() if math.isclose(f, factor)), None)
 
 
-def _faster(smallest: Row, rows: Sequence[Row], rule: Rule) -> Row | None:
-  """The fastest priced row that may fall back up to `max_frequency`, fits, and beats
-  `smallest` (priced) beyond the noise; None when there is none."""
-  if smallest.price is None:
-    return None
-  priced = [r for r in rows if r.price is not None and r.fits and
-            r.fallback_frequency <= rule.max_frequency]
-  best = min(priced, key=lambda r: r.price.seconds)
-  gain = smallest.price.seconds - best.price.seconds
-  noise = max(rule.min_gain * smallest.price.seconds, 2 * math.hypot(smallest.price.se,
-                                                                      best.price.se))
-  return best if gain > noise else None
+def _beats(new: Row, old: Row, rule: Rule) -> bool:
+  """Whether `new` saves more than `min_gain` of `old`'s step and twice their combined
+  standard error (never when an error is unknown)."""
+  gain = old.price.seconds - new.price.seconds
+  return gain > max(rule.min_gain * old.price.seconds, 2 * math.hypot(old.price.se, new.price.se))
 
 
 def _verb(factor: float, current: float | None) -> str:
@@ -173,14 +181,21 @@ def _verb(factor: float, current: float | None) -> str:
 def _frequency_reason(row: Row, rule: Rule, steps: int, current: float | None) -> str:
   fell_back = round(row.fallback_frequency * steps)
   price = ("it was never timed" if row.price is None else
-           f"{row.price}; no measured factor is faster beyond the noise")
+           f"{row.price}; no smaller measured factor is faster beyond the noise")
   return (f"{_verb(row.factor, current)}: the smallest factor that would have fallen back on "
           f"at most {rule.target:.0%} of the last {steps} steps ({fell_back}); {price}.")
 
 
-def _speed_reason(row: Row, smallest: Row, rule: Rule, steps: int, current: float | None
-                  ) -> str:
-  return (f"{_verb(row.factor, current)}: {row.price}, faster beyond the noise than "
-          f"{smallest.factor:g} ({smallest.price}), the smallest factor that falls back on at "
-          f"most {rule.target:.0%}; it falls back on {row.fallback_frequency:.0%} of the last "
-          f"{steps} steps (at most {rule.max_frequency:.0%}).")
+def _speed_reason(row: Row, smallest: Row, beaten: Row | None, rule: Rule, steps: int,
+                  current: float | None) -> str:
+  """Why a measured factor below the frequency pick (`smallest`) is named; `beaten`: the
+  measured factor it beats beyond the noise (None: it is kept within the noise)."""
+  why = (f"faster beyond the noise than {beaten.factor:g} ({beaten.price})" if beaten else
+         "no measured factor is faster beyond the noise")
+  pick = ("" if smallest is beaten else
+          f"; {smallest.factor:g}, the smallest factor that falls back on at most "
+          f"{rule.target:.0%}, " + ("was never timed" if smallest.price is None else
+                                    f"takes {smallest.price}"))
+  return (f"{_verb(row.factor, current)}: {row.price}, falling back on "
+          f"{row.fallback_frequency:.0%} of the last {steps} steps (at most "
+          f"{rule.max_frequency:.0%}); {why}{pick}.")

@@ -51,8 +51,9 @@ def test_a_measured_factor_faster_beyond_the_noise_replaces_the_frequency_pick()
   prices = {2.0: Price(0.30, 0.002, "measured"), 1.5: Price(0.27, 0.002, "measured")}
   a = advise(prices=prices, current=2.0)
   assert a.factor == 1.5 and a.basis == "measured"
-  assert a.reason.startswith("use ragged_buffer_factor=1.5: 0.27 ± 0.002 s/step measured, "
-                             "faster beyond the noise than 2 (0.3 ± 0.002 s/step measured)")
+  assert a.reason == ("use ragged_buffer_factor=1.5: 0.27 ± 0.002 s/step measured, falling "
+                      "back on 20% of the last 20 steps (at most 50%); faster beyond the noise "
+                      "than 2 (0.3 ± 0.002 s/step measured).")
   close = {**prices, 1.5: Price(0.297, 0.002, "measured")}
   assert advise(prices=close, current=2.0).factor == 2.0
   unknown = {2.0: Price(0.30, math.inf, "measured"), 1.5: Price(0.27, 0.002, "measured")}
@@ -61,13 +62,30 @@ def test_a_measured_factor_faster_beyond_the_noise_replaces_the_frequency_pick()
 
 
 def test_no_price_is_extrapolated_to_a_factor_never_timed():
-  """Only the measured factors carry a price; the frequency pick, untimed, is named by
-  frequency alone even when a measured smaller factor is cheaper."""
-  prices = {3.0: Price(0.31, 0.002, "measured"), 1.5: Price(0.27, 0.002, "measured")}
+  """Only the measured factors carry a price. The frequency pick (2) never timed: a measured
+  smaller factor that falls back on at most half the steps (1.5) is named, the reason saying
+  2 was never timed; measured factors above the pick (3) fall back as rarely with a bigger
+  buffer and never replace it."""
+  prices = {3.0: Price(0.25, 0.002, "measured"), 1.5: Price(0.27, 0.002, "measured")}
   a = advise(prices=prices)
   assert {r.factor for r in a.rows if r.price is not None} == {3.0, 1.5}
-  assert a.factor == 2.0 and a.basis == "frequency"
-  assert a.reason.endswith("it was never timed.")
+  assert a.factor == 1.5 and a.basis == "measured"
+  assert a.reason.endswith("; 2, the smallest factor that falls back on at most 1%, was never "
+                           "timed.")
+  above = advise(prices={3.0: Price(0.25, 0.002, "measured")})
+  assert above.factor == 2.0 and above.basis == "frequency"
+  assert above.reason.endswith("it was never timed.")
+
+
+def test_the_factor_in_force_is_kept_within_the_noise():
+  """The frequency pick (2) never timed; the factor in force (1.75) and 1.5 measured below
+  it, 1.5 1% faster: noise, so 1.75 is kept; 10% faster, 1.5 is named."""
+  near = {1.75: Price(0.300, 0.002, "measured"), 1.5: Price(0.297, 0.002, "measured")}
+  kept = advise(prices=near, current=1.75)
+  assert kept.factor == 1.75 and kept.keep
+  assert "no measured factor is faster beyond the noise; 2, the smallest" in kept.reason
+  far = {**near, 1.5: Price(0.27, 0.002, "measured")}
+  assert advise(prices=far, current=1.75).factor == 1.5
 
 
 def test_nothing_named_when_no_factor_that_fits_covers_the_target():

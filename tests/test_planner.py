@@ -66,20 +66,23 @@ def test_measured_rows_carry_their_basis_and_the_pick_is_a_row(timed_run, capsys
   assert evidence.advice.factor == out["pick"]
 
 
-def test_a_faster_measured_factor_wins_only_against_a_measured_frequency_pick(tmp_path, capsys):
-  """Steps that need at most 1.4, none more: the frequency pick is 1.5 (or below) whatever
-  was timed; with 1.5 measured and 2.2 measured slower, 1.5 stays; pricing 2.2 far faster than
-  1.5 makes the rule name 2.2 for its speed (basis 'measured')."""
-  recorder = TrafficRecorder(str(tmp_path), **META)
-  counts = np.zeros((40, 3, 8, 8), np.int32)
-  counts[..., :] = 4  # balanced: every device sends N / E rows to each expert: factor 1 needed
-  for first, factor, seconds in ((0, 1.0, 0.30), (10, 1.0, 0.31), (20, 2.0, 0.20),
-                                 (30, 2.0, 0.21)):
-    recorder.append(range(first, first + 10), counts[first:first + 10], [factor] * 10,
-                    np.zeros((10, 3), np.int32), seconds=10 * seconds)
-  out = answer(capsys, f"--workdir={tmp_path}", "--window=0")
-  assert out["pick"] == 2.0 and out["basis"] == "measured"
-  assert out["reason"].startswith("keep ragged_buffer_factor=2: 0.205 ± 0.005 s/step measured")
+def test_a_measured_smaller_factor_is_named_only_within_the_fallback_bound(timed_run, capsys):
+  """The frequency pick is never timed; 2.2, measured below it, falls back on at most half the
+  steps: named, the reason saying the pick was never timed. With a bound below 2.2's share of
+  fallbacks, the frequency pick is named instead."""
+  out = answer(capsys, f"--workdir={timed_run}", "--window=0")
+  rows = {r["factor"]: r for r in out["rows"]}
+  frequency_pick = replay.advise(read_traffic(str(timed_run)), rule=factor_rule.Rule(),
+                                 prices={}).factor
+  assert 2.2 < frequency_pick and all(r["basis"] is None for f, r in rows.items()
+                                      if f >= frequency_pick)
+  assert out["pick"] == 2.2 and out["basis"] == "measured"
+  assert out["reason"].endswith(f"{frequency_pick:g}, the smallest factor that falls back on at "
+                                "most 1%, was never timed.")
+  bound = rows[2.2]["fallback_frequency"] / 2
+  strict = answer(capsys, f"--workdir={timed_run}", "--window=0",
+                  f"--max_fallback_frequency={bound}")
+  assert strict["pick"] == frequency_pick and strict["basis"] == "frequency"
 
 
 def test_time_config_times_the_default_rows_and_the_rules_unpriced_pick(timed_run, capsys,
@@ -92,18 +95,19 @@ def test_time_config_times_the_default_rows_and_the_rules_unpriced_pick(timed_ru
     calls.append(list(factors))
     return {f: factor_rule.Price(0.1 + 0.05 * f, 0.001, "timed") for f in factors}
   monkeypatch.setattr(capacity, "capped_times", fake)
-  untimed = answer(capsys, f"--workdir={timed_run}", "--window=0")
   out = answer(capsys, f"--workdir={timed_run}", "--window=0",
                "--time_config=launch/configs/tiny.py")
   [timed] = calls
-  assert {*replay.DEFAULT_FACTORS, *SECONDS, untimed["pick"]} == set(timed)
+  frequency_pick = replay.advise(read_traffic(str(timed_run)), rule=factor_rule.Rule(),
+                                 prices={}).factor
+  assert {*replay.DEFAULT_FACTORS, *SECONDS, frequency_pick} == set(timed)
   rows = {r["factor"]: r for r in out["rows"]}
   assert {f for f, r in rows.items() if r["basis"] == "timed"} == set(timed)
   # The timed steps grow with the factor: the fastest row that falls back on at most half
   # the steps beats the frequency pick by more than the noise.
   fastest = min((r for r in out["rows"] if r["fallback_frequency"] <= 0.5),
                 key=lambda r: r["step_seconds"])
-  assert out["pick"] == fastest["factor"] < untimed["pick"] and out["basis"] == "timed"
+  assert out["pick"] == fastest["factor"] < frequency_pick and out["basis"] == "timed"
 
 
 TIME_CONFIG = ("--time_config=launch/configs/tiny.py", "--time_config.mesh.fsdp=2",

@@ -72,9 +72,9 @@ def _telemetry(c: ml_collections.ConfigDict) -> None:
   c.traffic = ml_collections.ConfigDict(dict(record=True, max_mib=1024))
   # The factor rule's settings (docs/metrics.md; the alerts and the recommendation tag use
   # them whether or not the autopilot is on): the smallest factor (steps of 1/8) that would
-  # have fallen back on at most target_fallback_frequency of the last `window` steps, unless
-  # a factor whose step time the run measured is faster beyond the noise and falls back on
-  # at most max_fallback_frequency; nothing below min_steps steps of evidence. objective
+  # have fallen back on at most target_fallback_frequency of the last `window` steps, unless a
+  # smaller factor that falls back on at most max_fallback_frequency was measured (then the
+  # fastest such, beyond the noise); nothing below min_steps steps of evidence. objective
   # 'fallback_frequency': the rule without the measured step times.
   # The autopilot (enabled; docs/autopilot.md) moves to the rule's factor after each full
   # window, and raises at once when the fallback ran on more than max_fallback_frequency of

@@ -6,10 +6,10 @@ every MoE layer, since the layer stack scans identical shapes. `FactorController
 
 * to the factor the rule names, when it is not the factor in force, once a full `window` of
   steps has passed since the last change (the early router transient passes through the
-  window before it can pin a factor). A factor named for its measured speed is taken only
-  when its compile pays back, at the measured gain, within the steps left; a factor named by
-  the frequency rule has no price yet: its own intervals then price it, and the rule compares
-  it with the factors timed before (and only with those).
+  window before it can pin a factor). A move between two measured factors is taken only
+  when its compile pays back, at the measured gain, within the steps left; a factor never
+  timed has no price yet: its own intervals then price it, and the rule compares it with the
+  factors timed before (and only with those).
 * at once, up to the smallest candidate that would have fallen back on at most
   `max_frequency` of the window, when the fallback ran on more than that share of the last
   `window // 4` steps (the guard: the only move that does not wait).
@@ -123,13 +123,11 @@ class FactorController:
     advice = self.evidence.advice
     if advice.factor is None or advice.keep:
       return None
-    if advice.basis != "frequency":
-      rows = {r.factor: r for r in advice.rows}
-      new, now = rows[advice.factor], rows.get(self.factor)
-      old = now.price if now is not None and now.price is not None else None
-      base = old or next(r.price for r in advice.rows if r.price is not None and
-                         r.fallback_frequency <= advice.rule.target)
-      gain = base.seconds - new.price.seconds
+    rows = {r.factor: r for r in advice.rows}
+    new, now = rows[advice.factor], rows.get(self.factor)
+    if new.price is not None and now is not None and now.price is not None:
+      # Both measured: the move must pay back its compile at the measured gain.
+      gain = now.price.seconds - new.price.seconds
       cost = 0.0 if any(abs(advice.factor - c) < 1e-9 for c in compiled) else compile_seconds
       if steps_left is not None and not (gain > 0 and cost / gain < steps_left):
         return None
