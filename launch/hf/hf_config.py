@@ -128,8 +128,8 @@ def semantics(keys: dict[str, Any], family: Family) -> str:
       f"{'yes' if keys['qk_norm'] else 'no'}",
       "output projection untied (lm_head), logits not scaled",
       f"experts {keys['moe.num_experts']}, top-{keys['moe.num_experts_per_tok']}, softmax "
-      f"router, top-k weights {'renormalised' if keys['moe.norm_topk_prob'] else 'not renormalised'}"
-      f"; expert width {keys['moe.mlp_dim']}"])
+      f"router, top-k weights {'' if keys['moe.norm_topk_prob'] else 'not '}renormalised; "
+      f"expert width {keys['moe.mlp_dim']}"])
 
 
 def exported(hf: dict[str, Any], dtype: str) -> dict[str, Any]:

@@ -195,9 +195,9 @@ def cross_entropy(hidden: jax.Array, embeddings: jax.Array, targets: jax.Array,
   """Mean next-token cross-entropy of `hidden [B, S, D]` against `targets [B, S]`.
 
   Logits are `logits(hidden, embeddings, divisor)`, in float32; `divisor` None is sqrt(D)
-  (the tied embedding's, `logit_divisor`). `chunk` > 0 computes them `chunk` positions at a time in a
-  checkpointed scan, so a `[B, S, V]` logits array never exists (a large vocabulary at a long
-  sequence would not fit); 0 does it in one piece.
+  (the tied embedding's, `logit_divisor`). `chunk` > 0 computes them `chunk` positions at a
+  time in a checkpointed scan, so a `[B, S, V]` logits array never exists (a large vocabulary
+  at a long sequence would not fit); 0 does it in one piece.
   """
   seq = hidden.shape[1]
   divisor = math.sqrt(hidden.shape[2]) if divisor is None else divisor
