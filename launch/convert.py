@@ -11,9 +11,10 @@ semantics it mapped, and refuses in one line what the model does not implement.
 such a run's checkpoint (the newest, or --step) in the family's published layout and the dtype
 it was imported in, for `transformers.AutoModelForCausalLM.from_pretrained(DIR)`.
 """
+import jax
 from absl import flags, logging
 
-from launch import cli, platform, settings as settings_lib
+from launch import cli, distributed, platform, settings as settings_lib
 from launch.errors import UserError
 from launch.hf import exporting, importing
 
@@ -36,15 +37,22 @@ def main(argv):
     raise UserError("pass exactly one of --from_hf=DIR (import) and --to_hf=DIR (export).")
   if _MAX_SHARD_MIB.value < 1:
     raise UserError(f"--max_shard_mib={_MAX_SHARD_MIB.value} must be >= 1.")
+  config = _CONFIG.value if _FROM.value is not None else settings_lib.saved(_WORKDIR.value)
+  # On a TPU pod (or another cluster jax detects) every host runs this command: each reads
+  # only the slices its own devices hold; one CPU machine is one process.
+  distributed.initialize_distributed(None, None, None,
+                                     platform.setup(settings_lib.cpu_devices(config)))
+  cli.set_process(jax.process_index(), jax.process_count())
   if _FROM.value is not None:
-    platform.setup(settings_lib.cpu_devices(_CONFIG.value))
-    print(importing.import_checkpoint(_FROM.value, _WORKDIR.value, _CONFIG.value))
-    print(f"wrote {_WORKDIR.value} at step 0; fine-tune: python -m launch.train "
-          f"--workdir={_WORKDIR.value} --config={_WORKDIR.value}/{importing.RUN_CONFIG_FILE}")
+    said = importing.import_checkpoint(_FROM.value, _WORKDIR.value, _CONFIG.value)
+    said += (f"\nwrote {_WORKDIR.value} at step 0; fine-tune: python -m launch.train "
+             f"--workdir={_WORKDIR.value} --config={_WORKDIR.value}/"
+             f"{importing.RUN_CONFIG_FILE}")
   else:
-    platform.setup(settings_lib.cpu_devices(settings_lib.saved(_WORKDIR.value)))
-    print(exporting.export_run(_WORKDIR.value, _TO.value, _STEP.value,
-                               _MAX_SHARD_MIB.value << 20))
+    said = exporting.export_run(_WORKDIR.value, _TO.value, _STEP.value,
+                                _MAX_SHARD_MIB.value << 20)
+  if jax.process_index() == 0:
+    print(said)
 
 
 if __name__ == "__main__":
