@@ -24,7 +24,7 @@ from launch.errors import UserError
 from launch.hf import exporting, hf_config, importing, reading, writing
 from launch.training import checkpoints, restoring, scoring, steps as steps_lib
 from moe_hk import routing
-from tests.helpers import ROOT, settings_of, tiny_config
+from tests.helpers import ROOT, run_module, settings_of, tiny_config
 
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "hf")
 FAMILIES = ("mixtral", "qwen3_moe")
@@ -85,6 +85,7 @@ def test_export_writes_the_fixture_and_imports_back_exactly(imported, tmp_path):
   assert sorted(got) == sorted(want)
   for name, array in want.items():
     np.testing.assert_array_equal(got[name], array, err_msg=name)
+  assert os.path.isfile(tmp_path / "out" / "tokenizer.json")  # kept by the run, exported
   exported = json.load(open(tmp_path / "out" / "config.json"))
   assert exported["rope_theta"] == exported["rope_parameters"]["rope_theta"] == 500_000.0
   again = str(tmp_path / "again")
@@ -131,6 +132,27 @@ def test_finetune_starts_at_transformers_loss(imported):
     losses.append(float(out["loss"]))
   assert losses[0] == pytest.approx(want, rel=1e-5)
   assert losses[-1] < losses[0]
+
+
+def test_score_command(imported, tmp_path):
+  """`launch.score` as users run it: Mixtral's --input_ids logits are transformers' (1e-4);
+  Qwen3-MoE's --text goes through the run's tokenizer.json, a loss per next token and their
+  mean and perplexity."""
+  family, workdir, _ = imported
+  if family == "mixtral":
+    out = run_module(["launch.score", f"--workdir={workdir}", f"--output={tmp_path}/l.npy",
+                      f"--input_ids={FIXTURES}/{family}/input_ids.npy"])
+    assert "the dropless fallback ran in 2 of 2 MoE layers" in out
+    assert _relative(np.load(tmp_path / "l.npy"), _fixture(family, "logits.npy")) <= 1e-4
+    return
+  lines = run_module(["launch.score", f"--workdir={workdir}", "--text=w5 w17 w200 w3"]
+                     ).strip().splitlines()
+  losses = [float(line.split("\t")[1]) for line in lines[1:-1]]
+  assert [line.split("\t")[0] for line in lines[1:-1]] == ["'w17'", "'w200'", "'w3'"]
+  words = lines[-1].split()  # 3 tokens: mean loss M nats, perplexity P
+  assert words[:2] == ["3", "tokens:"] and float(words[4]) == pytest.approx(np.mean(losses),
+                                                                           abs=1e-4)
+  assert float(words[-1]) == pytest.approx(np.exp(float(words[4])), rel=1e-3)
 
 
 @pytest.mark.parametrize("field, value, named", [
