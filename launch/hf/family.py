@@ -9,8 +9,7 @@ transpose.
 from __future__ import annotations
 
 import dataclasses
-import itertools
-from typing import Iterator, NamedTuple
+from typing import NamedTuple
 
 # The layer stack's block of the launcher's model with moe_every=1 (launch.training.model).
 BLOCK = "model/groups/model/~_group/block_0"
@@ -27,11 +26,6 @@ class Tensor(NamedTuple):
   def hf_name(self, ids: tuple[int, ...]) -> str:
     """The Hugging Face name of the tensor at leading index `ids` (layer, expert)."""
     return self.hf.format(**dict(zip(("layer", "expert"), ids)))
-
-  def hf_names(self, shape: tuple[int, ...]) -> Iterator[tuple[tuple[int, ...], str]]:
-    """(leading index, Hugging Face name) of every tensor in a leaf of `shape`."""
-    for ids in itertools.product(*(range(n) for n in shape[:self.stacked])):
-      yield ids, self.hf_name(ids)
 
 
 @dataclasses.dataclass(frozen=True)

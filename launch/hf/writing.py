@@ -19,14 +19,18 @@ _METADATA = {"format": "pt"}  # what transformers expects of a safetensors file 
 
 def hf_tensors(params: Any, tensors: list[Tensor], dtype: str
                ) -> Iterator[tuple[str, np.ndarray]]:
-  """(name, array in `dtype`) of every Hugging Face tensor in `params`, leaf by leaf."""
+  """(name, array in `dtype`) of every Hugging Face tensor in `params`, one layer of one leaf
+  on the host at a time (every process takes part in each gather)."""
   cast = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype)
   for tensor in tensors:
-    leaf = np.asarray(multihost_utils.process_allgather(params[tensor.module][tensor.name],
-                                                        tiled=True))
-    for ids, name in tensor.hf_names(leaf.shape):
-      block = leaf[ids]
-      yield name, np.ascontiguousarray((block.T if tensor.transpose else block).astype(cast))
+    leaf = params[tensor.module][tensor.name]
+    for layer in range(leaf.shape[0]) if tensor.stacked else [None]:
+      part = np.asarray(multihost_utils.process_allgather(
+          leaf if layer is None else leaf[layer], tiled=True))
+      for ids in np.ndindex(*part.shape[:max(tensor.stacked - 1, 0)]):
+        block = part[ids]
+        name = tensor.hf_name(ids if layer is None else (layer, *ids))
+        yield name, np.ascontiguousarray((block.T if tensor.transpose else block).astype(cast))
 
 
 def _shards(named: Iterator[tuple[str, np.ndarray]], max_bytes: int
