@@ -14,6 +14,7 @@ import os
 
 import jax
 import numpy as np
+import tokenizers
 from absl import flags, logging
 
 import moe_hk
@@ -29,20 +30,22 @@ _STEP = flags.DEFINE_integer("step", None, "The checkpoint to score (the newest 
 
 
 def _tokens(workdir: str, vocab: int) -> tuple[np.ndarray, list[str]]:
-  """`--input_ids`' ids `[B, S]`, or `--text`'s `[1, S]` and each token's text."""
-  if _TEXT.value is None:
-    ids = np.load(_INPUT_IDS.value)
-    if ids.ndim != 2 or ids.dtype.kind not in "iu" or ids.min() < 0 or ids.max() >= vocab:
-      raise UserError(f"--input_ids={_INPUT_IDS.value}: {ids.dtype} {list(ids.shape)} must be "
-                      f"integer token ids [B, S] in [0, {vocab}).")
-    return ids.astype(np.int32), []
+  """`--input_ids`' ids `[B, S]`, or `--text`'s `[1, S]` and each token's text; UserError
+  for ids outside the vocabulary."""
   path = os.path.join(workdir, "tokenizer.json")
-  if not os.path.isfile(path):
+  if _TEXT.value is None:
+    ids, pieces, what = np.load(_INPUT_IDS.value), [], f"--input_ids={_INPUT_IDS.value}"
+  elif os.path.isfile(path):
+    encoding = tokenizers.Tokenizer.from_file(path).encode(_TEXT.value)
+    ids, pieces, what = np.asarray([encoding.ids]), list(encoding.tokens), path
+  else:
     data = _TEXT.value.encode()
-    return np.frombuffer(data, np.uint8).astype(np.int32)[None], [chr(b) for b in data]
-  import tokenizers  # noqa: PLC0415 (only --text with a tokenizer needs it)
-  encoding = tokenizers.Tokenizer.from_file(path).encode(_TEXT.value)
-  return np.asarray([encoding.ids], np.int32), list(encoding.tokens)
+    ids, pieces, what = np.frombuffer(data, np.uint8)[None], [chr(b) for b in data], "bytes"
+  if ids.ndim != 2 or ids.dtype.kind not in "iu" or ids.size == 0 or not (
+      0 <= ids.min() and ids.max() < vocab):
+    raise UserError(f"{what}: ids {ids.dtype} {list(ids.shape)} must be integer token ids "
+                    f"[B, S] in [0, {vocab}) (the run's config.vocab_size).")
+  return ids.astype(np.int32), pieces
 
 
 def main(argv):

@@ -8,6 +8,7 @@ reuse that run and one compiled forward per configuration.
 """
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -134,6 +135,7 @@ def test_finetune_starts_at_transformers_loss(imported):
   assert losses[-1] < losses[0]
 
 
+@pytest.mark.slow
 def test_score_command(imported, tmp_path):
   """`launch.score` as users run it: Mixtral's --input_ids logits are transformers' (1e-4);
   Qwen3-MoE's --text goes through the run's tokenizer.json, a loss per next token and their
@@ -163,6 +165,7 @@ def test_score_command(imported, tmp_path):
     ("attn_logit_softcapping", 50.0, "attn_logit_softcapping=50.0"),
     ("num_experts", 16, "num_experts="),
     ("rope_theta", 10_000.0, "rope_theta="),
+    ("rms_norm_eps", None, "rms_norm_eps=null"),
 ])
 def test_refuses_what_the_model_does_not_implement(field, value, named):
   """Each unsupported field is one line naming it and its value (the expert count and the
@@ -187,6 +190,14 @@ def test_convert_refuses_in_one_line(tmp_path):
   assert done.returncode == 1, done.stderr
   assert done.stderr.strip().count("\n") == 0 and "use_sliding_window=true" in done.stderr
   assert not os.path.exists(tmp_path / "run" / "checkpoints")
+
+
+@pytest.mark.parametrize("key, value, valid", [("rope_theta", 0.0, "> 0"),
+                                              ("norm_eps", 0.0, "in (0, 1)")])
+def test_model_knobs_are_checked(key, value, valid):
+  """The model's new keys refuse what they cannot mean, in one line naming the key."""
+  with pytest.raises(UserError, match=rf"config.{key}={value} must be {re.escape(valid)}"):
+    settings_of(tiny_config(**{key: value}))
 
 
 def test_unnormalised_top_k_weights_are_the_full_softmax():

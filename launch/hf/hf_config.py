@@ -101,6 +101,11 @@ def model_keys(hf: dict[str, Any]) -> dict[str, Any]:
   """The launcher's config keys (dotted) for a checkpoint of config `hf`."""
   family = family_of(hf)
   _check(hf)
+  for field in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                "intermediate_size", "num_experts_per_tok", "rms_norm_eps",
+                family.expert_width_field):
+    if hf.get(field) is None:
+      _refuse(field, None, "the model's shape needs it")
   heads, width = hf["num_attention_heads"], hf["hidden_size"]
   experts = _one(hf, "num_experts", ("num_experts",), ("num_local_experts",))
   return {
