@@ -97,18 +97,21 @@ def test_export_writes_the_fixture_and_imports_back_exactly(imported, tmp_path):
 
 
 def test_export_shards_and_keeps_the_dtype(imported, tmp_path):
-  """Past the size limit the weights split into files with an index that the reader (and
-  transformers) follow; a bfloat16 import exports bfloat16."""
+  """Past the size limit the weights split into files with an index; a bfloat16 checkpoint
+  (that one) imports through its index and exports bfloat16 again."""
   family, workdir, run_settings = imported
   _, params = restoring.restore_params(run_settings, workdir)
-  tensors = hf_config.family_of(json.load(open(os.path.join(FIXTURES, family, "config.json"))))
-  files = writing.write(str(tmp_path), writing.hf_tensors(params, tensors.tensors(), "bfloat16"),
-                        max_bytes=64 << 10)
-  assert len(files) > 2 and os.path.isfile(tmp_path / "model.safetensors.index.json")
-  with safe_open(files[0], "numpy") as f:
-    assert f.get_slice(next(iter(f.keys()))).get_dtype() == "BF16"
+  hf = json.load(open(os.path.join(FIXTURES, family, "config.json")))
+  files = writing.write(str(tmp_path / "bf16"), writing.hf_tensors(
+      params, hf_config.family_of(hf).tensors(), "bfloat16"), max_bytes=64 << 10)
+  assert len(files) > 2 and os.path.isfile(tmp_path / "bf16" / "model.safetensors.index.json")
+  shutil.copy(os.path.join(FIXTURES, family, "config.json"), tmp_path / "bf16")
+  importing.import_checkpoint(str(tmp_path / "bf16"), str(tmp_path / "run"), run_settings.config)
+  exporting.export_run(str(tmp_path / "run"), str(tmp_path / "out"), None, 1 << 30)
+  with safe_open(str(tmp_path / "out" / "model.safetensors"), "numpy") as f:
+    assert {f.get_slice(name).get_dtype() for name in f.keys()} == {"BF16"}
   want = _tensors(os.path.join(FIXTURES, family))
-  got = _tensors(str(tmp_path))
+  got = _tensors(str(tmp_path / "out"))
   for name, array in want.items():
     np.testing.assert_array_equal(got[name], array.astype(got[name].dtype), err_msg=name)
 

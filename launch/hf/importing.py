@@ -14,9 +14,9 @@ import shutil
 import jax
 import jax.numpy as jnp
 import ml_collections
-import moe_hk
 
 import metrics
+import moe_hk
 from launch import settings as settings_lib
 from launch.errors import user_errors
 from launch.hf import hf_config, reading

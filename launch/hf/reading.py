@@ -54,8 +54,8 @@ class SafetensorsFolder(contextlib.ExitStack):
 
   def dtype(self, name: str) -> str:
     """The stored dtype of tensor `name`, as numpy names it ('float32', 'bfloat16', ...)."""
-    return {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}.get(
-        self.slice(name).get_dtype(), self.slice(name).get_dtype())
+    stored = self.slice(name).get_dtype()
+    return {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}.get(stored, stored.lower())
 
 
 def _check_shape(tensor: Tensor, name: str, got: list[int], leaf: tuple[int, ...]) -> None:

@@ -5,10 +5,9 @@ from __future__ import annotations
 import os
 
 import haiku as hk
-import jax
-import moe_hk
 import orbax.checkpoint as ocp
 
+import moe_hk
 from launch.errors import UserError
 from launch.settings import Settings
 from launch.training import steps as steps_lib
@@ -23,8 +22,9 @@ def restore_params(settings: Settings, workdir: str, step: int | None = None
   steps = sorted(manager.all_steps())
   if not steps or (step is not None and step not in steps):
     manager.close()
-    raise UserError(f"--step={step}: no such checkpoint in {folder} (there: "
-                    f"{', '.join(map(str, steps)) or 'none'}).")
+    asked = "a checkpoint" if step is None else f"--step={step}"
+    raise UserError(f"{asked}: none in {folder} (there: {', '.join(map(str, steps)) or 'none'}"
+                    "); --workdir must be a run's folder, --step one of its checkpoints.")
   mesh = moe_hk.make_mesh(**settings.mesh)
   abstract = steps_lib.abstract_inputs(settings.config, steps_lib.make_steps(settings, mesh))[0]
   chosen = steps[-1] if step is None else step
