@@ -195,6 +195,17 @@ def test_convert_refuses_in_one_line(tmp_path):
   assert not os.path.exists(tmp_path / "run" / "checkpoints")
 
 
+def test_reads_transformers_4_and_5_configs_alike():
+  """The RoPE base top-level (transformers 4) or in rope_parameters (5), the expert count as
+  num_experts (published Qwen3-MoE) or num_local_experts (transformers 5): the same model."""
+  hf = json.load(open(os.path.join(FIXTURES, "qwen3_moe", "config.json")))
+  old = {k: v for k, v in hf.items() if k not in ("rope_parameters", "num_local_experts")}
+  old.update(rope_theta=500_000.0, num_experts=8)
+  assert hf_config.model_keys(old) == hf_config.model_keys(hf)
+  assert hf_config.model_keys(hf)["rope_theta"] == 500_000.0
+  assert hf_config.model_keys(hf)["moe.num_experts"] == 8
+
+
 @pytest.mark.parametrize("key, value, valid", [("rope_theta", 0.0, "> 0"),
                                               ("norm_eps", 0.0, "in (0, 1)")])
 def test_model_knobs_are_checked(key, value, valid):
