@@ -25,10 +25,13 @@ from launch.errors import UserError
 from launch.hf import exporting, hf_config, importing, reading, writing
 from launch.training import checkpoints, restoring, scoring, steps as steps_lib
 from moe_hk import routing
-from tests.helpers import ROOT, run_module, settings_of, tiny_config
+from launch.training import trainer
+from tests.helpers import ROOT, cached_make_steps, run_module, settings_of, tiny_config
 
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "hf")
 FAMILIES = ("mixtral", "qwen3_moe")
+# The fine-tune tests' steps, compiled once: the direct steps and launch.train's share them.
+_STEPS = cached_make_steps(steps_lib.make_steps)
 
 
 def _fixture(family: str, name: str) -> np.ndarray:
@@ -123,7 +126,7 @@ def test_finetune_starts_at_transformers_loss(imported):
   if family != "qwen3_moe":
     pytest.skip("one family's train step is enough (compile time)")
   mesh = moe_hk.make_mesh(**run_settings.mesh)
-  steps = steps_lib.make_steps(run_settings, mesh)
+  steps = _STEPS(run_settings, mesh)
   saver = checkpoints.Checkpoints(workdir, keep=3, every=1)
   state = saver.restore(steps_lib.abstract_inputs(run_settings.config, steps)[0]).state
   saver.close()
@@ -136,6 +139,22 @@ def test_finetune_starts_at_transformers_loss(imported):
     losses.append(float(out["loss"]))
   assert losses[0] == pytest.approx(want, rel=1e-5)
   assert losses[-1] < losses[0]
+
+
+def test_launch_train_continues_the_import(imported, tmp_path, monkeypatch, capsys):
+  """The trainer resumes the import's checkpoint 0 (its data, metrics and autopilot state
+  included) with the run's recorded config, trains and checkpoints."""
+  family, workdir, _ = imported
+  if family != "qwen3_moe":
+    pytest.skip("one family's train step is enough (compile time)")
+  run = str(tmp_path / "run")
+  shutil.copytree(workdir, run)
+  monkeypatch.setattr(trainer, "make_steps", _STEPS)
+  config = settings_lib.load(os.path.join(run, importing.RUN_CONFIG_FILE))
+  losses = trainer.train_and_evaluate(settings_of(config), run, stop_after=2)
+  assert "resumed from step 0" in capsys.readouterr().out
+  assert len(losses) == 2 and np.all(np.isfinite(losses))
+  assert checkpoints.newest_step(run) == 2
 
 
 @pytest.mark.slow
