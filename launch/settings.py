@@ -249,6 +249,8 @@ def _check_model(config: ml_collections.ConfigDict) -> None:
   _require(config.num_heads % config.num_kv_heads == 0,
            f"config.num_heads={config.num_heads} must be divisible by "
            f"config.num_kv_heads={config.num_kv_heads}.")
+  _require(config.rope_theta > 0, f"config.rope_theta={config.rope_theta} must be > 0.")
+  _require(0 < config.norm_eps < 1, f"config.norm_eps={config.norm_eps} must be in (0, 1).")
   _one_of("attention_impl", config.attention_impl, ATTENTION_IMPLS)
   _one_of("remat_policy", config.remat_policy, REMAT_POLICIES)
   _one_of("optimizer_state_dtype", config.optimizer_state_dtype, moe_hk.config.DTYPES)

@@ -111,8 +111,9 @@ class Evidence:
 
   def load_state_dict(self, state: dict) -> None:
     """Restores `state_dict()` (and the windows of checkpoints written before this class)."""
-    factor = state.get("factor", self.factor)
-    self.factor = None if factor is None or not math.isfinite(factor) else float(factor)
+    # A state without a factor (a converted checkpoint's, older ones) keeps the run's.
+    factor = state.get("factor")
+    self.factor = self.factor if factor is None or not math.isfinite(factor) else float(factor)
     self._required.clear()
     self._required.extend(tuple(np.atleast_1d(np.asarray(r, float)).tolist())
                           for r in state.get("required", []))

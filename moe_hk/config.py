@@ -66,6 +66,10 @@ class MoEConfig:
     gmm_block_rows: Row block of the 'blocked' grouped matmul.
     router_score: Combine weights: 'softmax' over the K selected logits, or 'sigmoid' of each
       selected logit (Llama4; top-1 weights then still train the router).
+    norm_topk_prob: With 'softmax': True (default) renormalises the K selected experts'
+      probabilities to sum to 1 (the softmax over their logits: Mixtral, Qwen3-MoE's
+      `norm_topk_prob=True`); False keeps each one's probability under the softmax over all
+      E logits (Qwen3-MoE's `norm_topk_prob=False`). 'sigmoid' needs True (no sum to keep).
     dtype: Compute dtype of the expert matmuls, 'float32' or 'bfloat16' (a name or a jnp
       dtype, stored as its name); parameters stay float32.
     load_balance_loss_weight: Weight of the Switch-style load-balance loss in
@@ -101,6 +105,7 @@ class MoEConfig:
   gmm_impl: str = "auto"
   gmm_block_rows: int = 128
   router_score: str = "softmax"
+  norm_topk_prob: bool = True
   dtype: str = "float32"
   load_balance_loss_weight: float = 0.01
   router_z_loss_weight: float = 0.0
@@ -126,6 +131,10 @@ class MoEConfig:
     self._check_choice("a2a_impl", A2A_IMPLS)
     self._check_choice("gmm_impl", GMM_IMPLS)
     self._check_choice("router_score", ROUTER_SCORES)
+    if not isinstance(self.norm_topk_prob, bool) or (
+        not self.norm_topk_prob and self.router_score != "softmax"):
+      _fail("norm_topk_prob", self.norm_topk_prob,
+            "must be True or False, and False only with router_score='softmax'")
     self._normalise_dtype()
     chunks = self.dropless_fallback_num_chunks
     if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 0:

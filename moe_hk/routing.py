@@ -34,11 +34,14 @@ def unrouted_id(num_experts: int) -> int:
   return num_experts
 
 
-def route(x: jax.Array, router_w: jax.Array, k: int, score: str = "softmax") -> Routing:
+def route(x: jax.Array, router_w: jax.Array, k: int, score: str = "softmax",
+          norm_topk_prob: bool = True) -> Routing:
   """Routes tokens `x [T, D]` with `router_w [D, E]`; logits and weights in float32.
 
-  `score='softmax'` normalises the K selected logits; `'sigmoid'` (Llama4) squashes each
-  selected logit on its own, so top-1 weights still carry a gradient to the router.
+  `score='softmax'` normalises the K selected logits (`norm_topk_prob=False`: the weights are
+  the selected experts' probabilities under the softmax over all E logits, summing to < 1);
+  `'sigmoid'` (Llama4) squashes each selected logit on its own, so top-1 weights still carry
+  a gradient to the router.
   A token whose logits are not all finite goes to expert `unrouted_id` with weight 0.
   """
   assert score in ("softmax", "sigmoid"), f"router score {score!r}: MoEConfig checks it"
@@ -53,7 +56,9 @@ def route(x: jax.Array, router_w: jax.Array, k: int, score: str = "softmax") -> 
   # exactly 0 (a select, not a product, cuts them off).
   logits = jnp.where(finite[:, None], logits, 0)
   top_logits, expert_ids = jax.lax.top_k(logits, k)  # [T, K]
-  if score == "softmax":
+  if score == "softmax" and not norm_topk_prob:
+    weights = jnp.exp(top_logits - jax.nn.logsumexp(logits, axis=-1, keepdims=True))
+  elif score == "softmax":
     weights = jax.nn.softmax(top_logits, axis=-1)
   else:
     weights = jax.nn.sigmoid(top_logits)

@@ -45,7 +45,8 @@ def moe_shard(x: jax.Array, router_w: jax.Array, experts: ExpertWeights, *, conf
   capped_rows = dispatch_plan.buffer_rows(shards, tokens, k, local, config.ragged_buffer_factor)
   worst_rows = dispatch_plan.worst_case_rows(shards, tokens, k, local)
 
-  route = routing_lib.route(x.reshape(tokens, width), router_w, k, config.router_score)
+  route = routing_lib.route(x.reshape(tokens, width), router_w, k, config.router_score,
+                            config.norm_topk_prob)
   # The capped path gathers these [P, E] counts again inside `path`: a few ints per shard,
   # kept so both paths share one signature and the custom_vjp's branches stay self-contained.
   traffic = dispatch_plan.traffic_matrix(gather_counts(route.expert_ids, config))

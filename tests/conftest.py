@@ -37,6 +37,7 @@ jax.config.update("jax_default_matmul_precision", "highest")
 WORKER_GROUPS = (
     # The SIGTERM test shares neither the step cache nor the baseline run: it goes to either.
     (r"tests/test_launch\.py::(?!test_a_stop_signal_)", "launch"),
+    (r"tests/test_convert\.py::", "convert"),  # the imported runs, module fixtures
     (r"tests/test_metrics_tensorboard\.py::", "metrics_tensorboard"),
     # One worker for both platforms: run side by side, libtpu's compiler threads and XLA:CPU's
     # compile slow each other down more than running one after the other.

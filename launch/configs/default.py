@@ -27,6 +27,14 @@ def _model(c: ml_collections.ConfigDict) -> None:
   c.head_dim = 32
   c.mlp_dim = 256             # dense blocks' SwiGLU width
   c.dtype = "float32"         # compute dtype ('bfloat16' allowed); params stay float32
+  # The knobs public checkpoints set (launch.convert, docs/checkpoints.md): False gives an
+  # untied [V, D] output projection and unscaled logits (True: the input embedding, logits
+  # divided by sqrt(emb_dim)); the RoPE base (rotate-half layout); the RMSNorms' epsilon;
+  # True adds an RMSNorm over each query and key head before the rotation (Qwen3).
+  c.tie_embeddings = True
+  c.rope_theta = 10_000.0
+  c.norm_eps = 1e-6
+  c.qk_norm = False
   # What the backward keeps of each layer group's forward (launch.training.model.REMAT_POLICIES):
   # 'full' (everything recomputed, as large MoE models train), 'save_attention_moe' (keeps
   # the attention and MoE outputs), 'none' (no remat). The trainer's MoE telemetry comes from
@@ -54,6 +62,9 @@ def _model(c: ml_collections.ConfigDict) -> None:
       gmm_impl="auto",                  # 'ragged_dot' | 'blocked' | by platform
       gmm_block_rows=128,               # row tile of the 'blocked' grouped matmul
       router_score="softmax",           # or 'sigmoid' (Llama4 top-1)
+      # softmax: True weighs the K chosen experts by the softmax over their logits (Mixtral);
+      # False by their share of the softmax over all E (Qwen3-MoE's norm_topk_prob=False).
+      norm_topk_prob=True,
       load_balance_loss_weight=0.01,
       router_z_loss_weight=1e-3,
       expert_axis="expert",             # the mesh axis experts are sharded over

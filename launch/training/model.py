@@ -5,7 +5,10 @@ V vocabulary, n layer groups. Blocks come in groups of `moe_every`: `moe_every -
 SwiGLU blocks, then one MoE block (`moe_hk.MoELayer`, plus an optional shared expert). The
 groups run in an `hk.layer_stack` (a scan: one compiled group however deep the model), each
 group rematerialised in the backward under `config.remat_policy` (`REMAT_POLICIES`).
-Parameters are float32; matmuls run in `config.dtype`.
+Parameters are float32; matmuls run in `config.dtype`. The knobs public checkpoints need
+(`launch.convert`) are config keys whose defaults are the model above: `tie_embeddings`
+(False: an untied `[V, D]` output projection and no `1/sqrt(D)` logit scale), `rope_theta`,
+`norm_eps` and `qk_norm` (an RMSNorm over each query and key head before the rotation).
 """
 from __future__ import annotations
 
@@ -27,7 +30,8 @@ from moe_hk import fallback, step_mode
 
 class ModelOutput(NamedTuple):
   hidden: jax.Array           # [B, S, D] final-normed activations, compute dtype.
-  embeddings: jax.Array       # [V, D] float32, the tied input/output embedding.
+  # [V, D] float32, the output projection: the input embedding when tied, else `unembed`.
+  embeddings: jax.Array
   moe_stats: moe_hk.MoEStats  # per MoE block, stacked: each field has a leading [n] axis.
 
 
@@ -68,7 +72,8 @@ def rms_norm(x: jax.Array, name: str, eps: float = 1e-6) -> jax.Array:
 
 
 def rotary(x: jax.Array, base: float = 10_000.0) -> jax.Array:
-  """Rotary position embedding of `x [B, S, ..., Dh]` (positions 0..S-1)."""
+  """Rotary position embedding of `x [B, S, ..., Dh]` (positions 0..S-1), in the rotate-half
+  layout: dimension i pairs with i + Dh/2 (not with its neighbour, the interleaved layout)."""
   seq, dim = x.shape[1], x.shape[-1]
   freqs = base ** (-jnp.arange(0, dim, 2, dtype=jnp.float32) / dim)       # [Dh / 2]
   angles = jnp.arange(seq, dtype=jnp.float32)[:, None] * freqs[None]      # [S, Dh / 2]
@@ -86,9 +91,11 @@ def attention(x: jax.Array, c: ml_collections.ConfigDict, mesh: Mesh) -> jax.Arr
   q = dense(x, c.num_heads * c.head_dim, "q").reshape(b, s, groups, per_group, c.head_dim)
   k = dense(x, groups * c.head_dim, "k").reshape(b, s, groups, c.head_dim)
   v = dense(x, groups * c.head_dim, "v").reshape(b, s, groups, c.head_dim)
+  if c.qk_norm:
+    q, k = rms_norm(q, "q_norm", c.norm_eps), rms_norm(k, "k_norm", c.norm_eps)
   impl = attention_lib.resolve_impl(c.attention_impl, mesh.devices.flat[0].platform)
-  out = attention_lib.causal_attention(rotary(q), rotary(k), v, impl=impl,
-                                       block=c.attention_block, mesh=mesh)
+  out = attention_lib.causal_attention(rotary(q, c.rope_theta), rotary(k, c.rope_theta), v,
+                                       impl=impl, block=c.attention_block, mesh=mesh)
   return checkpoint_name(dense(out.reshape(b, s, -1), x.shape[-1], "o"), "attention_out")
 
 
@@ -128,8 +135,8 @@ class Transformer(hk.Module):
     stats = None
     for i in range(c.moe_every):
       with hk.name_scope(f"block_{i}"):
-        x = x + attention(rms_norm(x, "attention_norm"), c, self.mesh)
-        h = rms_norm(x, "mlp_norm")
+        x = x + attention(rms_norm(x, "attention_norm", c.norm_eps), c, self.mesh)
+        h = rms_norm(x, "mlp_norm", c.norm_eps)
         if i == c.moe_every - 1:
           layer = moe_hk.MoELayer(self.moe_config, self.mesh, name="moe")
           y, stats = layer(h, step=step, layer_index=moe_index, return_stats=True,
@@ -165,28 +172,43 @@ class Transformer(hk.Module):
     if step is not None and self.emit_fallback_events:
       moe_hk.events.emit_stacked_fallback_events(stats, step=jnp.asarray(step, jnp.int32),
                                                  process=jax.process_index())
-    return ModelOutput(rms_norm(x, "final_norm"), embed.embeddings, stats)
+    output = embed.embeddings if c.tie_embeddings else hk.get_parameter(
+        "unembed", (c.vocab_size, c.emb_dim), jnp.float32,
+        init=hk.initializers.TruncatedNormal(1 / math.sqrt(c.emb_dim)))
+    return ModelOutput(rms_norm(x, "final_norm", c.norm_eps), output, stats)
+
+
+def logit_divisor(config: ml_collections.ConfigDict) -> float:
+  """What the logits `hidden @ embeddings.T` are divided by: sqrt(D) for the tied embedding
+  (so initial logits have unit variance), 1 for an untied output projection."""
+  return math.sqrt(config.emb_dim) if config.tie_embeddings else 1.0
+
+
+def logits(hidden: jax.Array, embeddings: jax.Array, divisor: float) -> jax.Array:
+  """`hidden [B, S, D] @ embeddings [V, D].T / divisor`: float32 logits `[B, S, V]`."""
+  return jnp.einsum("bsd,vd->bsv", hidden, embeddings.astype(hidden.dtype),
+                    preferred_element_type=jnp.float32) / divisor
 
 
 def cross_entropy(hidden: jax.Array, embeddings: jax.Array, targets: jax.Array,
-                  chunk: int = 0) -> jax.Array:
+                  chunk: int = 0, divisor: float | None = None) -> jax.Array:
   """Mean next-token cross-entropy of `hidden [B, S, D]` against `targets [B, S]`.
 
-  Logits are `hidden @ embeddings.T / sqrt(D)` in float32 (tied embedding, scaled so initial
-  logits have unit variance). `chunk` > 0 computes them `chunk` positions at a time in a
-  checkpointed scan, so a `[B, S, V]` logits array never exists (a large vocabulary at a long
-  sequence would not fit); 0 does it in one piece.
+  Logits are `logits(hidden, embeddings, divisor)`, in float32; `divisor` None is sqrt(D)
+  (the tied embedding's, `logit_divisor`). `chunk` > 0 computes them `chunk` positions at a
+  time in a checkpointed scan, so a `[B, S, V]` logits array never exists (a large vocabulary
+  at a long sequence would not fit); 0 does it in one piece.
   """
-  seq, width = hidden.shape[1], hidden.shape[2]
+  seq = hidden.shape[1]
+  divisor = math.sqrt(hidden.shape[2]) if divisor is None else divisor
   chunk = chunk or seq
   if seq % chunk:
     raise ValueError(f"loss_chunk={chunk} must divide the sequence length {seq}.")
 
   def summed(h, t):
-    logits = jnp.einsum("bsd,vd->bsv", h, embeddings.astype(h.dtype),
-                        preferred_element_type=jnp.float32) / math.sqrt(width)
-    log_z = jax.nn.logsumexp(logits, axis=-1)
-    picked = jnp.take_along_axis(logits, t[..., None], axis=-1)[..., 0]
+    scores = logits(h, embeddings, divisor)
+    log_z = jax.nn.logsumexp(scores, axis=-1)
+    picked = jnp.take_along_axis(scores, t[..., None], axis=-1)[..., 0]
     return jnp.sum(log_z - picked)
 
   if chunk == seq:

@@ -1,0 +1,147 @@
+"""A Hugging Face `config.json` as the launcher's model keys, and back.
+
+`model_keys` reads the shapes and semantics of a supported family's config and refuses, in one
+line naming the field and its value, anything the model does not implement: a sliding window,
+RoPE scaling, biases, another activation, dense layers between MoE ones, a field it does not
+know. The RoPE base is read from `rope_parameters` (transformers 5) or the top level
+(transformers 4), which must agree when both are there; the expert count from
+`num_experts` or `num_local_experts` likewise.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from launch.errors import UserError
+from launch.hf import mixtral, qwen3_moe
+from launch.hf.family import Family
+
+FAMILIES = {f.model_type: f for f in (mixtral.FAMILY, qwen3_moe.FAMILY)}
+# Fields that do not change what the model computes (token ids, training-only settings,
+# bookkeeping), or that `model_keys` reads and checks itself.
+_KNOWN = {
+    "architectures", "model_type", "transformers_version", "dtype", "torch_dtype",
+    "bos_token_id", "eos_token_id", "pad_token_id", "initializer_range", "use_cache",
+    "output_router_logits", "router_aux_loss_coef", "attention_dropout",
+    "max_position_embeddings", "max_window_layers", "vocab_size", "hidden_size",
+    "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+    "intermediate_size", "moe_intermediate_size", "num_experts", "num_local_experts",
+    "num_experts_per_tok", "norm_topk_prob", "rms_norm_eps", "rope_theta", "rope_parameters",
+    "rope_scaling", "tie_word_embeddings", "hidden_act", "sliding_window",
+    "use_sliding_window", "attention_bias", "router_jitter_noise", "decoder_sparse_step",
+    "mlp_only_layers", "layer_types",
+}
+# field -> the values the model implements (what published checkpoints of the families hold).
+_REQUIRED = {
+    "rope_scaling": (None,), "tie_word_embeddings": (False,), "hidden_act": ("silu",),
+    "attention_bias": (False,), "router_jitter_noise": (0, 0.0), "decoder_sparse_step": (1,),
+    "mlp_only_layers": ([],), "use_sliding_window": (False,),
+}
+
+
+def read(folder: str) -> dict[str, Any]:
+  """`folder/config.json` as a dict; UserError without one."""
+  path = os.path.join(folder, "config.json")
+  if not os.path.isfile(path):
+    raise UserError(f"--from_hf={folder}: no config.json there; pass a Hugging Face "
+                    "checkpoint folder (config.json and *.safetensors).")
+  with open(path) as f:
+    return json.load(f)
+
+
+def _refuse(field: str, value: Any, why: str) -> None:
+  raise UserError(f"config.json {field}={json.dumps(value)}: {why}; launch.convert does not "
+                  "convert this checkpoint.")
+
+
+def family_of(hf: dict[str, Any]) -> Family:
+  """The family of `hf`'s model_type; UserError naming the supported ones."""
+  kind = hf.get("model_type")
+  if kind not in FAMILIES:
+    _refuse("model_type", kind, f"supported: {', '.join(FAMILIES)}")
+  return FAMILIES[kind]
+
+
+def _one(hf: dict[str, Any], field: str, *where: tuple[str, ...]) -> Any:
+  """The value of `field` found at each path of `where` in `hf` (absent ones skipped), which
+  must agree; UserError when none has it or two differ."""
+  found = {}
+  for path in where:
+    node = hf
+    for part in path:
+      node = node.get(part) if isinstance(node, dict) else None
+    if node is not None:
+      found[".".join(path)] = node
+  if not found:
+    _refuse(field, None, f"needs one of {', '.join('.'.join(p) for p in where)}")
+  if len(set(map(json.dumps, found.values()))) > 1:
+    _refuse(field, found, "the places it is given disagree")
+  return next(iter(found.values()))
+
+
+def _check(hf: dict[str, Any]) -> None:
+  """Refuses a field the converter does not know, or a value the model does not implement."""
+  for field, value in hf.items():
+    if field not in _KNOWN:
+      _refuse(field, value, "a field launch.convert does not know (it may change the model)")
+    if field in _REQUIRED and value not in _REQUIRED[field]:
+      _refuse(field, value, f"implemented: {' or '.join(map(json.dumps, _REQUIRED[field]))}")
+  if hf.get("sliding_window") is not None and hf.get("use_sliding_window", True):
+    _refuse("sliding_window", hf["sliding_window"], "sliding-window attention is not "
+            "implemented (implemented: null)")
+  rope = hf.get("rope_parameters") or {}
+  if rope.get("rope_type", "default") != "default":
+    _refuse("rope_parameters.rope_type", rope["rope_type"], "implemented: \"default\"")
+  if any(t != "full_attention" for t in hf.get("layer_types") or []):
+    _refuse("layer_types", hf["layer_types"], "implemented: \"full_attention\" only")
+
+
+def model_keys(hf: dict[str, Any]) -> dict[str, Any]:
+  """The launcher's config keys (dotted) for a checkpoint of config `hf`."""
+  family = family_of(hf)
+  _check(hf)
+  for field in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                "intermediate_size", "num_experts_per_tok", "rms_norm_eps",
+                family.expert_width_field):
+    if hf.get(field) is None:
+      _refuse(field, None, "the model's shape needs it")
+  heads, width = hf["num_attention_heads"], hf["hidden_size"]
+  experts = _one(hf, "num_experts", ("num_experts",), ("num_local_experts",))
+  return {
+      "vocab_size": hf["vocab_size"], "emb_dim": width, "num_layers": hf["num_hidden_layers"],
+      "moe_every": 1, "num_heads": heads, "num_kv_heads": hf.get("num_key_value_heads", heads),
+      "head_dim": hf.get("head_dim") or width // heads, "mlp_dim": hf["intermediate_size"],
+      "tie_embeddings": False, "qk_norm": family.qk_norm, "shared_expert": False,
+      "rope_theta": float(_one(hf, "rope_theta", ("rope_parameters", "rope_theta"),
+                               ("rope_theta",))),
+      "norm_eps": float(hf["rms_norm_eps"]),
+      "moe.num_experts": experts, "moe.num_experts_per_tok": hf["num_experts_per_tok"],
+      "moe.mlp_dim": hf[family.expert_width_field], "moe.router_score": "softmax",
+      "moe.norm_topk_prob": bool(hf.get("norm_topk_prob", True)),
+  }
+
+
+def semantics(keys: dict[str, Any], family: Family) -> str:
+  """What the converted model computes, in one line per topic, for the console."""
+  return "\n".join([
+      f"family {family.model_type} ({family.architecture}): {keys['num_layers']} layers, "
+      f"every one MoE; width {keys['emb_dim']}, {keys['num_heads']} query / "
+      f"{keys['num_kv_heads']} key-value heads of {keys['head_dim']}",
+      f"RoPE base {keys['rope_theta']:g}, rotate-half layout (dimension i with i + head_dim/2)",
+      f"RMSNorm epsilon {keys['norm_eps']:g}; per-head query/key norms: "
+      f"{'yes' if keys['qk_norm'] else 'no'}",
+      "output projection untied (lm_head), logits not scaled",
+      f"experts {keys['moe.num_experts']}, top-{keys['moe.num_experts_per_tok']}, softmax "
+      f"router, top-k weights {'' if keys['moe.norm_topk_prob'] else 'not '}renormalised; "
+      f"expert width {keys['moe.mlp_dim']}"])
+
+
+def exported(hf: dict[str, Any], dtype: str) -> dict[str, Any]:
+  """The config.json of an export: the imported one with `dtype` and the RoPE base both at the
+  top level (transformers 4) and in `rope_parameters` (transformers 5)."""
+  theta = _one(hf, "rope_theta", ("rope_parameters", "rope_theta"), ("rope_theta",))
+  out = dict(hf, dtype=dtype, torch_dtype=dtype, rope_theta=theta)
+  out["rope_parameters"] = dict(hf.get("rope_parameters") or {}, rope_type="default",
+                                rope_theta=theta)
+  return out

@@ -1,0 +1,46 @@
+"""The run's model as a scorer: float32 logits of token ids, and per-token losses.
+
+Shapes: B batch, S sequence, V vocabulary.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import haiku as hk
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import moe_hk
+from launch.settings import Settings
+from launch.training import model as model_lib
+
+Forward = Callable[[hk.Params, jax.Array], tuple[jax.Array, moe_hk.MoEStats]]
+
+
+def forward(settings: Settings, mesh: Mesh) -> Forward:
+  """A jitted `(params, tokens [B, S] int32) -> (float32 logits [B, S, V], MoEStats stacked
+  over the MoE layers)` of the run's model (B divisible by the mesh's devices)."""
+  config = settings.config
+
+  def apply(tokens):
+    out = model_lib.Transformer(config, settings.layer, mesh, name="model")(tokens)
+    scores = model_lib.logits(out.hidden, out.embeddings, model_lib.logit_divisor(config))
+    return scores, out.moe_stats
+  model = hk.transform(apply)
+  batch = NamedSharding(mesh, P(tuple(mesh.axis_names)))
+  return jax.jit(lambda params, tokens: model.apply(params, None, tokens),
+                 in_shardings=(None, batch))
+
+
+def padded(tokens: np.ndarray, multiple: int) -> np.ndarray:
+  """`tokens [B, S]` with rows of zeros appended up to a multiple of `multiple` rows."""
+  extra = -tokens.shape[0] % multiple
+  return np.concatenate([tokens, np.zeros((extra, tokens.shape[1]), tokens.dtype)])
+
+
+def token_losses(logits: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+  """`[B, S - 1]` float32: -log p(tokens[:, t + 1] | tokens[:, :t + 1]) from `logits [B, S, V]`."""
+  log_p = jax.nn.log_softmax(jnp.asarray(logits[:, :-1], jnp.float32), axis=-1)
+  return -np.asarray(jnp.take_along_axis(log_p, jnp.asarray(tokens[:, 1:, None]), -1)[..., 0])
