@@ -385,3 +385,21 @@ def test_grey_png_decodes_to_the_image():
   decoded = tf.io.decode_png(grey_png(image)).numpy()
   assert decoded.shape == (5, 13, 1) and decoded.dtype == np.uint8
   np.testing.assert_array_equal(decoded, np.round(np.clip(image, 0, 1) * 255))
+
+
+def test_the_factor_story_is_one_custom_scalars_chart(tmp_path):
+  """The run's event file holds TensorBoard's custom-scalars layout: the factor in force, the
+  required and the recommended factor on one chart, the fallback frequency beside it."""
+  from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+  from tensorboard.plugins.custom_scalar import layout_pb2
+  MoEMetricsWriter(str(tmp_path), asynchronous=False).close()
+  (path,) = glob.glob(f"{tmp_path}/events.out.tfevents.*")
+  [value] = [v for e in EventFileLoader(path).Load() for v in e.summary.value
+             if v.tag == "custom_scalars__config__"]
+  layout = layout_pb2.Layout.FromString(value.tensor.string_val[0])
+  factor, fallbacks = layout.category[0].chart
+  assert list(factor.multiline.tag) == ["^moe/ragged_buffer_factor$",
+                                        "^moe/required_ragged_buffer_factor$",
+                                        "^moe/recommended_ragged_buffer_factor$"]
+  assert list(fallbacks.multiline.tag) == ["^moe/fallback_frequency$",
+                                           "^learning/moe_dropless_fallback_layers$"]
