@@ -8,8 +8,8 @@ compiles the step and prints total memory per device (arguments + outputs + temp
 and the compile time for: the worst-case buffer, the capped buffer, capped + `layer` fallback
 (scan of checkpointed chunks), the same with adaptive chunking
 (`moe_hk.fallback.traffic_ladder`), and capped + fallback with a Python-unrolled chunk loop (the
-naive form, `launch.compiling.variants.unrolled_chunks`, passed as `moe_forward`'s
-`_chunk_loop`). Each rung of the adaptive ladder is a compiled switch branch, so its column
+naive form, `moe_hk.fallback.unrolled_chunks`, traced in with `moe_hk.fallback.chunk_loop`).
+Each rung of the adaptive ladder is a compiled switch branch, so its column
 measures what rungs cost. `--factor` sets the buffer factor (a lower one lengthens the adaptive
 ladder). JSON first, then a table.
 """
@@ -26,9 +26,9 @@ from jax.sharding import NamedSharding
 
 import moe_hk
 from launch import platform as launch_platform, results
-from launch.training import memory, topology
-from launch.compiling.variants import unrolled_chunks
-from moe_hk import mesh as mesh_lib
+from launch.compiling import topology
+from launch.training import memory
+from moe_hk import fallback, mesh as mesh_lib
 
 # The single-layer setting where token buffers dominate: 8 shards, top-2, 8 experts,
 # 64 x 512 tokens (4,096 per shard), emb 1024, MLP 2048. Not narrower: on TPU a width of 64 is
@@ -61,11 +61,9 @@ def variant_config(variant: str, **overrides) -> moe_hk.MoEConfig:
   }[variant]
 
 
-def variant_layer(variant: str, config: moe_hk.MoEConfig, mesh):
-  """`(params, x) -> (y, stats)` of `variant`'s layer (`fallback_unrolled`: the naive chunk
-  loop the scan is measured against)."""
-  loop = unrolled_chunks if variant == "fallback_unrolled" else None
-  return functools.partial(moe_hk.moe_forward, config=config, mesh=mesh, _chunk_loop=loop)
+def variant_layer(config: moe_hk.MoEConfig, mesh):
+  """`(params, x) -> (y, stats)` of a variant's layer."""
+  return functools.partial(moe_hk.moe_forward, config=config, mesh=mesh)
 
 
 def make_mesh(platform: str):
@@ -83,10 +81,17 @@ def _layer_params(config):
 def compile_step(variant: str, platform: str, layers: int):
   """Compiles the step. layers == 0: one bare layer's value-and-grad (no optimizer, no remat).
   layers >= 1: a scan over that many residual MoE layers with a jax.checkpoint(nothing_saveable)
-  body, with an Adam update and donated params and optimizer state."""
+  body, with an Adam update and donated params and optimizer state. `fallback_unrolled`
+  traces the naive chunk loop the scan is measured against."""
+  loop = fallback.unrolled_chunks if variant == "fallback_unrolled" else None
+  with fallback.chunk_loop(loop):
+    return _compile_step(variant, platform, layers)
+
+
+def _compile_step(variant: str, platform: str, layers: int):
   config = variant_config(variant)
   mesh = make_mesh(platform)
-  layer = variant_layer(variant, config, mesh)
+  layer = variant_layer(config, mesh)
   specs = moe_hk.param_specs(config, mesh)
   shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
   x = jax.ShapeDtypeStruct((BATCH, SEQ, config.emb_dim), jnp.float32,

@@ -28,9 +28,11 @@ forward's recompute is dead code that XLA removes, so the extra forward costs no
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import math
-from typing import Callable, NamedTuple, Sequence
+from typing import Callable, Iterator, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -38,10 +40,25 @@ import jax.numpy as jnp
 from moe_hk.dispatch_plan import chunk_receiver_rows, worst_case_rows
 from moe_hk.routing import tokens_per_expert
 
-# chunk_loop(body, n): runs body(i) for chunk i = 0 .. n - 1 (each `[T / n, ...]`) and stacks
-# the results `[n, T / n, ...]`. The layer runs `scan_chunks`; measurements pass another (the
-# naive unrolled loop) through `moe_forward`'s private `_chunk_loop`.
+# loop(body, n): runs body(i) for chunk i = 0 .. n - 1 (each `[T / n, ...]`) and stacks the
+# results `[n, T / n, ...]`. The layer runs `scan_chunks`; a measurement may trace it with the
+# naive `unrolled_chunks` instead (`chunk_loop`).
 ChunkLoop = Callable[[Callable[[jax.Array], jax.Array], int], jax.Array]
+_CHUNK_LOOP: contextvars.ContextVar[ChunkLoop | None] = contextvars.ContextVar(
+    "moe_hk_chunk_loop", default=None)
+
+
+@contextlib.contextmanager
+def chunk_loop(loop: ChunkLoop | None) -> Iterator[None]:
+  """For measurements only: MoE layers traced inside the block run their fallback chunks with
+  `loop` (`unrolled_chunks`, the naive form the scan is measured against; None: the layer's
+  own `scan_chunks`). It acts where the layer is traced, so lower a freshly built function
+  inside the block: one traced before keeps the loop it was traced with."""
+  token = _CHUNK_LOOP.set(loop)
+  try:
+    yield
+  finally:
+    _CHUNK_LOOP.reset(token)
 
 
 def fallback_num_chunks(*, batch: int, seq: int, k: int, shards: int, local_experts: int,
@@ -83,14 +100,20 @@ def scan_chunks(body: Callable[[jax.Array], jax.Array], num_chunks: int) -> jax.
   return jax.lax.scan(lambda carry, i: (carry, body(i)), None, jnp.arange(num_chunks))[1]
 
 
+def unrolled_chunks(body: Callable[[jax.Array], jax.Array], num_chunks: int) -> jax.Array:
+  """The naive chunk loop (a `ChunkLoop`): a Python loop, so every chunk's residuals stay
+  alive until the backward. Never a mode users pick: `launch.aot` and the benchmarks measure
+  `scan_chunks` against it (`chunk_loop`)."""
+  return jnp.stack([body(i) for i in range(num_chunks)])
+
+
 def token_chunks(a: jax.Array, n: int) -> jax.Array:
   """`[B, S, ...]` -> `[n, B * S / n, ...]`: n contiguous blocks of the (b, s)-ordered tokens."""
   return a.reshape(n, a.shape[0] * a.shape[1] // n, *a.shape[2:])
 
 
 def chunked_dropless(chunk_fn: Callable[..., jax.Array], x: jax.Array,
-                     per_token: Sequence[jax.Array], num_chunks: int,
-                     chunk_loop: ChunkLoop = scan_chunks) -> jax.Array:
+                     per_token: Sequence[jax.Array], num_chunks: int) -> jax.Array:
   """Runs `chunk_fn(x_chunk [T/n, D], *per_token_chunks) -> [T/n, D]` over n chunks.
 
   x `[B, S, D]`; each of `per_token` is `[B, S, ...]` (e.g. expert ids and weights). Chunk i is
@@ -103,7 +126,8 @@ def chunked_dropless(chunk_fn: Callable[..., jax.Array], x: jax.Array,
   flat = [a.reshape(tokens, *a.shape[2:]) for a in (x, *per_token)]
   def body(i):
     return chunk_fn(*[jax.lax.dynamic_slice_in_dim(a, i * per, per) for a in flat])
-  return chunk_loop(body, num_chunks).reshape(x.shape[:2] + (-1,))
+  loop = _CHUNK_LOOP.get() or scan_chunks
+  return loop(body, num_chunks).reshape(x.shape[:2] + (-1,))
 
 
 class Rung(NamedTuple):

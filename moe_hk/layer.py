@@ -84,8 +84,7 @@ class MoELayer(hk.Module):
 
   def __call__(self, x: jax.Array, *, step: jax.Array | None = None,
                layer_index: jax.Array | None = None, return_stats: bool = False,
-               force_dropless: bool = False, after_overflow: jax.Array | None = None,
-               _chunk_loop: fallback.ChunkLoop | None = None
+               force_dropless: bool = False, after_overflow: jax.Array | None = None
                ) -> jax.Array | tuple[jax.Array, MoEStats]:
     """Runs the MoE layer on `x`.
 
@@ -104,8 +103,6 @@ class MoELayer(hk.Module):
       after_overflow: Optional bool scalar, `moe_dropless_fallback='step'` only: an earlier
         MoE layer of this step overflowed (`moe_hk.step_mode`), so this layer runs the
         chunked dropless path.
-      _chunk_loop: For measurements only: the naive loop the scan is compared against; None
-        is `scan_chunks`.
 
     Returns:
       `y [B, S, D]` in x's dtype (NaN rows for tokens whose router logits are not finite);
@@ -124,7 +121,7 @@ class MoELayer(hk.Module):
     y, stats = forward_after_check(params, x, config=self.config, mesh=self.mesh,
                                    step=None if hk.running_init() else step,
                                    layer_index=layer_index, force_dropless=force_dropless,
-                                   after_overflow=after_overflow, _chunk_loop=_chunk_loop)
+                                   after_overflow=after_overflow)
     if return_stats:
       return y, stats
     hk.set_state("stats", stats)

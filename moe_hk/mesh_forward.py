@@ -112,8 +112,7 @@ gather_in_dtype.defvjp(_gather_in_dtype_fwd, _gather_in_dtype_bwd)
 def moe_forward(params: MoEParams, x: jax.Array, *, config: MoEConfig, mesh: Mesh,
                 step: jax.Array | int | None = None, layer_index: jax.Array | int | None = None,
                 force_dropless: bool = False,
-                after_overflow: jax.Array | bool | None = None,
-                _chunk_loop: fallback.ChunkLoop | None = None
+                after_overflow: jax.Array | bool | None = None
                 ) -> tuple[jax.Array, MoEStats]:
   """Runs the MoE layer as a pure function of its parameters: `x` -> `(y, stats)`.
 
@@ -140,8 +139,6 @@ def moe_forward(params: MoEParams, x: jax.Array, *, config: MoEConfig, mesh: Mes
     after_overflow: Optional bool scalar, `moe_dropless_fallback='step'` only: an earlier MoE
       layer of this step overflowed (`moe_hk.step_mode.overflowed` carries it from layer to
       layer), so this layer runs the chunked dropless path too.
-    _chunk_loop: For measurements only: the naive loop the scan is compared against; None is
-      `scan_chunks`.
 
   Returns:
     `(y, stats)`: `y [B, S, D]` in x's dtype (NaN rows for tokens whose router logits are not
@@ -156,15 +153,14 @@ def moe_forward(params: MoEParams, x: jax.Array, *, config: MoEConfig, mesh: Mes
   mesh_lib.check_layer(config, mesh, x.shape, x.dtype)
   return forward_after_check(params, x, config=config, mesh=mesh, step=step,
                              layer_index=layer_index, force_dropless=force_dropless,
-                             after_overflow=after_overflow, _chunk_loop=_chunk_loop)
+                             after_overflow=after_overflow)
 
 
 def forward_after_check(params: MoEParams, x: jax.Array, *, config: MoEConfig, mesh: Mesh,
                         step: jax.Array | int | None = None,
                         layer_index: jax.Array | int | None = None,
                         force_dropless: bool = False,
-                        after_overflow: jax.Array | bool | None = None,
-                        _chunk_loop: fallback.ChunkLoop | None = None
+                        after_overflow: jax.Array | bool | None = None
                         ) -> tuple[jax.Array, MoEStats]:
   """`moe_forward` once `moe_hk.mesh.check_layer` passed for this mesh and input (`MoELayer`
   checks before it creates its parameters, then calls this)."""
@@ -173,7 +169,6 @@ def forward_after_check(params: MoEParams, x: jax.Array, *, config: MoEConfig, m
     raise ValueError("after_overflow is only for moe_dropless_fallback='step', not "
                      f"{config.moe_dropless_fallback!r}.")
   after = jnp.asarray(False if after_overflow is None else after_overflow, bool)
-  chunk_loop = fallback.scan_chunks if _chunk_loop is None else _chunk_loop
   backends = resolve_backends(config, mesh)
   batch = mesh_lib.batch_spec(mesh)
   axes = tuple(mesh.axis_names)
@@ -185,8 +180,7 @@ def forward_after_check(params: MoEParams, x: jax.Array, *, config: MoEConfig, m
     experts = _gather_fsdp(ExpertWeights(wi_0, wi_1, wo), mesh, config)
     y, local = moe_shard(x_local, router_w, experts, config=config, backends=backends,
                          mesh_axes=axes, force_dropless=force_dropless,
-                         after_overflow=after_local if step_mode else None,
-                         chunk_loop=chunk_loop)
+                         after_overflow=after_local if step_mode else None)
     return y, reduce_stats(local, mesh, config)
 
   specs = param_specs(config, mesh)

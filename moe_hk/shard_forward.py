@@ -24,9 +24,7 @@ from moe_hk.stats import MoEStats
 
 def moe_shard(x: jax.Array, router_w: jax.Array, experts: ExpertWeights, *, config: MoEConfig,
               backends: Backends, mesh_axes: tuple[str, ...], force_dropless: bool = False,
-              after_overflow: jax.Array | None = None,
-              chunk_loop: fallback.ChunkLoop = fallback.scan_chunks
-              ) -> tuple[jax.Array, MoEStats]:
+              after_overflow: jax.Array | None = None) -> tuple[jax.Array, MoEStats]:
   """`x [B, S, D]` -> `(y [B, S, D], MoEStats)` on one shard, the stats this shard's view
   before `moe_hk.stats.reduce_stats` (`moe_hk.stats.REDUCTIONS` says what each field holds).
 
@@ -35,8 +33,7 @@ def moe_shard(x: jax.Array, router_w: jax.Array, experts: ExpertWeights, *, conf
   'layer' or 'step'; 'layer' with adaptive chunking falls back to the first rung of
   `fallback.traffic_ladder` whose chunks fit, chosen at run time); or the capped path alone.
   In 'step' mode the check also takes the chunked path when `after_overflow` (bool scalar, the
-  same on every device) says an earlier MoE layer of the step overflowed. `chunk_loop` runs
-  the chunks of the fallback (`fallback.scan_chunks`; another only for measurements).
+  same on every device) says an earlier MoE layer of the step overflowed.
   """
   batch, seq, width = x.shape
   tokens, k = batch * seq, config.num_experts_per_tok
@@ -76,7 +73,7 @@ def moe_shard(x: jax.Array, router_w: jax.Array, experts: ExpertWeights, *, conf
       def chunk(x_c, ids_c, weights_c):
         return run(x_c, ids_c, weights_c, experts_, rows=rung.rows)
       return nan_unrouted(fallback.chunked_dropless(chunk, x_, (expert_ids, weights_),
-                                                    rung.chunks, chunk_loop), expert_ids)
+                                                    rung.chunks), expert_ids)
     return run_chunks
 
   def fixed():

@@ -13,7 +13,8 @@ import pytest
 from jax.sharding import NamedSharding
 
 import moe_hk
-from launch.training import memory, topology
+from launch.compiling import topology
+from launch.training import memory
 from moe_hk import mesh as mesh_lib
 from tests.helpers import require_libtpu, user_precision
 

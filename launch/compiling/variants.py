@@ -4,7 +4,8 @@ Every variant is the same train step (`launch.training.steps`: value-and-grad, A
 donated state) with the run's MoE layers set up another way (`variant_layer`): the worst-case
 buffer, the capped buffer (rows may drop), capped + the `layer` fallback with fixed or
 adaptive chunks, `step` mode, and capped + a Python-unrolled chunk loop, the naive form the
-fallback's scan is measured against (`unrolled_chunks`: never a mode users pick).
+fallback's scan is measured against (`moe_hk.fallback.unrolled_chunks`: never a mode users
+pick).
 """
 from __future__ import annotations
 
@@ -14,24 +15,18 @@ import time
 from typing import Sequence
 
 import jax
-import jax.numpy as jnp
 
 import moe_hk
-from launch.training import memory
 from launch.compiling import flops as flops_lib
+from launch.training import memory
 from launch.settings import Settings
 from launch.training import model as model_lib
 from launch.training.steps import abstract_inputs, make_steps
+from moe_hk import fallback
 
 VARIANTS = ("worst_case", "capped", "fallback_scan", "fallback_adaptive", "step",
             "fallback_unrolled")
 GIB = 1024 ** 3
-
-
-def unrolled_chunks(body, num_chunks: int) -> jax.Array:
-  """The naive fallback chunk loop (a `moe_hk.fallback.ChunkLoop`): a Python loop, so every
-  chunk's residuals stay alive until the backward; `scan_chunks` is measured against it."""
-  return jnp.stack([body(i) for i in range(num_chunks)])
 
 
 def trained_variant(layer: moe_hk.MoEConfig) -> str:
@@ -61,9 +56,17 @@ def compile_variant(settings: Settings, devices: Sequence[jax.Device], variant: 
   """Compiles the train step of `variant` for `devices`; returns its memory figures (bytes),
   matmul FLOPs and compile time. A TPU program whose temporaries exceed HBM does not compile:
   its figures are then the compiler's stated temporaries plus the argument shards."""
-  run = settings._replace(layer=variant_layer(settings.layer, variant))
+  # The naive loop, traced into this variant's own freshly built steps (`chunk_loop`).
+  loop = fallback.unrolled_chunks if variant == "fallback_unrolled" else None
+  with fallback.chunk_loop(loop):
+    return _compile(settings._replace(layer=variant_layer(settings.layer, variant)), devices,
+                    variant)
+
+
+def _compile(run: Settings, devices: Sequence[jax.Device], variant: str) -> dict:
+  """`compile_variant` of the settings `run` (its layer set up as `variant`)."""
   mesh = moe_hk.make_mesh(**run.mesh, devices=devices)
-  steps = make_steps(run, mesh, unrolled_chunks if variant == "fallback_unrolled" else None)
+  steps = make_steps(run, mesh)
   state, batch = abstract_inputs(run.config, steps)
   start = time.perf_counter()
   lowered = steps.train.lower(state, batch)

@@ -25,7 +25,7 @@ from jax.sharding import Mesh
 
 import moe_hk
 from launch.training import attention as attention_lib
-from moe_hk import fallback, step_mode
+from moe_hk import step_mode
 
 
 class ModelOutput(NamedTuple):
@@ -110,16 +110,14 @@ class Transformer(hk.Module):
   Its MoE blocks run `layer` (`moe_hk.MoEConfig`) and label their metric events with `step`
   and their ordinal among MoE blocks. In 'step' fallback mode the layer stack carries
   `moe_hk.step_mode`'s flag beside the activations, so every MoE layer after an overflow runs
-  dropless. `chunk_loop` is for measurements only (`launch.compiling.variants`): the loop the
-  fallback's chunks run in, `moe_hk.fallback.scan_chunks` by default.
+  dropless.
   """
 
   def __init__(self, config: ml_collections.ConfigDict, layer: moe_hk.MoEConfig, mesh: Mesh,
-               chunk_loop: fallback.ChunkLoop | None = None, name: str | None = None):
+               name: str | None = None):
     super().__init__(name=name)
     self.config = config
     self.mesh = mesh
-    self.chunk_loop = chunk_loop
     # The fallback events leave once per step, all layers in one callback after the layer
     # stack (`__call__`), not from each layer: a rematerialised group would call back again
     # when the backward recomputes it, and each callback holds a device up until the host
@@ -140,7 +138,7 @@ class Transformer(hk.Module):
         if i == c.moe_every - 1:
           layer = moe_hk.MoELayer(self.moe_config, self.mesh, name="moe")
           y, stats = layer(h, step=step, layer_index=moe_index, return_stats=True,
-                           after_overflow=after_overflow, _chunk_loop=self.chunk_loop)
+                           after_overflow=after_overflow)
           y = checkpoint_name(y, "moe_out")
           if c.shared_expert:
             with hk.name_scope("shared_expert"):

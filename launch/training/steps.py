@@ -22,7 +22,7 @@ from launch.training import memory
 from launch.settings import Settings
 from launch.training import sharding, spikes as spikes_lib
 from launch.training.model import Transformer, cross_entropy, logit_divisor
-from moe_hk import fallback, step_mode as step_mode_lib
+from moe_hk import step_mode as step_mode_lib
 
 
 class TrainState(NamedTuple):
@@ -86,19 +86,15 @@ def loss_fn(model: hk.Transformed, config, params, batch, step):
   return ce + aux, (ce, out.moe_stats)
 
 
-def _transformed(settings: Settings, mesh: Mesh,
-                 chunk_loop: fallback.ChunkLoop | None) -> hk.Transformed:
+def _transformed(settings: Settings, mesh: Mesh) -> hk.Transformed:
   def forward(tokens, step):
-    return Transformer(settings.config, settings.layer, mesh, chunk_loop, name="model")(tokens,
-                                                                                       step)
+    return Transformer(settings.config, settings.layer, mesh, name="model")(tokens, step)
   return hk.transform(forward)
 
 
-def make_steps(settings: Settings, mesh: Mesh,
-               chunk_loop: fallback.ChunkLoop | None = None) -> Steps:
+def make_steps(settings: Settings, mesh: Mesh) -> Steps:
   """Builds the jitted steps of `settings` (its model, optimizer and MoE layers) on `mesh`;
-  the train step donates the state. `chunk_loop` is for measurements only (the model's).
-  Its outputs hold `skipped` (bool scalar: the loss or gradient norm was not finite; with
+  the train step donates the state. Its outputs hold `skipped` (bool scalar: the loss or gradient norm was not finite; with
   `config.skip_nonfinite_steps` the step then left params and optimizer state unchanged) and,
   with `config.spikes.enabled`, `spike` (the step's loss or gradient norm spiked, so it left
   them unchanged too) with the window's `spike_mean` and `spike_std` `[2]` (loss, gradient
@@ -110,7 +106,7 @@ def make_steps(settings: Settings, mesh: Mesh,
   step_mode = layer_config.moe_dropless_fallback == "step"
   tx, schedule = make_optimizer(config)
   batch_sharding = NamedSharding(mesh, P(tuple(mesh.axis_names)))
-  model = _transformed(settings, mesh, chunk_loop)
+  model = _transformed(settings, mesh)
 
   spiking = config.spikes.enabled
 
