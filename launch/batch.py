@@ -61,8 +61,8 @@ def main(argv):
   print("\n".join(describe(position, batch, _ROWS.value, _TOKENS.value)))
   newest = checkpoints.newest_step(_WORKDIR.value)
   if newest is not None and _STEP.value >= newest:
-    print(f"(the run's newest checkpoint is at step {newest}: it has not trained step "
-          f"{_STEP.value} yet)")
+    print(f"(the run's newest checkpoint, checkpoints/{newest}, is from before step {newest}: "
+          f"it has not trained step {_STEP.value} yet)")
 
 
 if __name__ == "__main__":

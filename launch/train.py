@@ -38,7 +38,8 @@ def _lost(workdir: str, timeout_s: int, count: int, processes: list[int]) -> Non
   from, then exit status 1 (the others cannot go on: every step needs every process)."""
   who = f"process{'es' if len(processes) > 1 else ''} {', '.join(map(str, processes))}"
   newest = checkpoints.newest_step(workdir)
-  resume = (f"the newest checkpoint is step {newest} in {workdir}/checkpoints: rerun every "
+  resume = (f"the newest checkpoint is {workdir}/checkpoints/{newest} (after step "
+            f"{newest - 1}): rerun every "
             "process's command to resume from it" if newest is not None else
             "no checkpoint was written yet: rerun every process's command to start again")
   sys.stderr.write(f"{cli.program()}: error: {who} of {count} stopped answering "

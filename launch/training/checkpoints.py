@@ -127,7 +127,8 @@ class Checkpoints:
             shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
       intact = [s for s in self._manager.all_steps()
                 if os.path.isdir(os.path.join(self.directory, str(s)))]
-      newest = f"step {max(intact)} is the newest intact one" if intact else "none was written"
+      newest = (f"checkpoints/{max(intact)} is the newest intact one" if intact else
+                "none was written")
       raise UserError(f"writing a checkpoint to {self.directory} failed ({_reason(e)}); "
                       f"{newest}: free space or fix the folder's permissions, then rerun to "
                       "resume.") from None

@@ -28,10 +28,11 @@ import metrics
 import moe_hk
 from launch.errors import Interrupted, UserError, user_errors
 from launch.planning import autopilot, programs, step_model
-from launch import cli, settings as settings_lib
+from launch import cli
 from launch.settings import Settings
 from launch.training import console as console_lib
 from launch.training import data as data_lib
+from launch.training import record
 from launch.training import throughput
 from launch.training.checkpoints import Checkpoints, Restored
 from launch.training.reporter import Pending, Reporter, Speed
@@ -107,11 +108,12 @@ class _Run(NamedTuple):
 
 
 def _setup(settings: Settings, workdir: str) -> _Run:
-  """The mesh, data, steps and checkpoints of the run, checked before anything compiles; the
-  config saved as `workdir/config.json` (for `launch.batch`)."""
+  """The mesh, data, steps and checkpoints of the run, checked before anything compiles (the
+  config against the workdir's record first: `record`); once the checkpoint is restored the
+  config is recorded as `workdir/config.json` (for the next start and `launch.batch`)."""
   _check_workdir(workdir)
-  if jax.process_index() == 0:
-    settings_lib.save(settings.config, workdir)
+  start = record.check(settings.config, workdir)
+  settings = settings._replace(config=start.config)
   mesh = moe_hk.make_mesh(**settings.mesh)
   with user_errors():
     data = data_lib.make_data(settings.config, process_index=jax.process_index(),
@@ -121,8 +123,15 @@ def _setup(settings: Settings, workdir: str) -> _Run:
   checkpoints = Checkpoints(workdir, keep=config.checkpoints_to_keep,
                             every=config.checkpoint_every)
   restored = checkpoints.restore(abstract_inputs(config, steps)[0])
-  return _Run(settings, workdir, mesh, data, steps, console_lib.Console(config.train_steps),
-              checkpoints, restored)
+  step = 0 if restored is None else restored.step
+  if jax.process_index() == 0:
+    record.write(config, workdir, step)
+  console = console_lib.Console(config.train_steps)
+  if start.changed:
+    console.line(f"changed since the last start: {', '.join(start.changed)}")
+  for line in record.schedule_notes(start, step):
+    console.line(line)
+  return _Run(settings, workdir, mesh, data, steps, console, checkpoints, restored)
 
 
 def _check_workdir(workdir: str) -> None:
@@ -222,7 +231,7 @@ class _Loop:
     raise UserError(
         f"{skipped} steps in a row up to step {fetched} had a non-finite or spiking loss or "
         f"gradient norm (config.max_consecutive_nonfinite={limit}); they changed nothing, and "
-        f"the state is checkpointed at step {step + 1}: check the data "
+        f"the state is checkpointed after step {step} (checkpoints/{step + 1}): check the data "
         f"({_batch_command(self.run_.workdir, fetched)}) and the learning rate, then rerun to "
         "resume.")
 
@@ -299,7 +308,8 @@ class _Loop:
       self.save(step + 1)
       reporter.disturbed()
     if stopping:
-      self.run_.console.line(f"stopping after step {step + 1} with a checkpoint")
+      self.run_.console.line(f"stopping after step {step} with a checkpoint "
+                             f"(checkpoints/{step + 1})")
     return stopping
 
 
@@ -321,9 +331,12 @@ def train_and_evaluate(settings: Settings, workdir: str, stop_after: int | None 
   run = _setup(settings, workdir)
   config, restored = settings.config, run.restored
   if restored is not None and restored.step >= config.train_steps:
-    run.console.line(f"{workdir} is at step {restored.step}, config.train_steps="
-                     f"{config.train_steps}: nothing to train. To train longer, rerun with "
-                     f"--config.train_steps=N, N > {restored.step}.")
+    run.console.line(
+        f"{workdir} has trained steps 0-{restored.step - 1}, config.train_steps="
+        f"{config.train_steps}: nothing to train. To train longer, rerun with "
+        f"--config.train_steps=N (N > {restored.step}); the learning-rate schedule ends at step "
+        f"{config.schedule_steps} (rate 0 after it) unless --config.schedule_steps=N "
+        "re-plans it.")
     run.checkpoints.close()
     return []
   state = run.steps.init(jax.random.key(config.seed)) if restored is None else restored.state
@@ -334,8 +347,9 @@ def train_and_evaluate(settings: Settings, workdir: str, stop_after: int | None 
            _alerts_written(workdir) - alerts_before)
   run.checkpoints.close()
   if loop.stop.interrupted:
-    raise Interrupted(f"stopped by Ctrl-C after step {loop.first + len(loop.reporter.losses)} "
-                      "with a checkpoint; the same command resumes.")
+    raise Interrupted(f"stopped by Ctrl-C after step "
+                      f"{loop.first + len(loop.reporter.losses) - 1} with a checkpoint; the "
+                      "same command resumes.")
   return loop.reporter.losses
 
 
@@ -382,7 +396,8 @@ def _resume(run: _Run, moe_metrics: metrics.MoEMetrics, pilot: autopilot.Autopil
     moe_metrics.aggregator.load_state_dict(restored.moe_metrics)
     if pilot is not None and restored.autopilot:
       pilot.load_state_dict(restored.autopilot)
-    run.console.line(f"resumed from step {restored.step} ({run.checkpoints.directory})")
+    run.console.line(f"resumed from {run.checkpoints.directory}/{restored.step}: the next "
+                     f"step is {restored.step}")
   if pilot is None:
     return run.steps.train, factor
   if pilot.factor != factor:
@@ -429,6 +444,7 @@ def _summary(run: _Run, reporter: Reporter, first: int, seconds: float, alerts: 
       f"steps | dropped {totals.dropped_rows} rows | skipped {totals.skipped} non-finite" +
       (f" and {totals.spikes} spiking steps" if run.settings.config.spikes.enabled else " steps"))
   tensorboard = cli.runnable("tensorboard", "--logdir", run.workdir)
+  newest = run.checkpoints.latest_step()
   console.line(f"alerts: {alerts} new in {os.path.join(run.workdir, ALERTS_FILE)} | "
-               f"TensorBoard: {tensorboard} | checkpoints: "
-               f"{run.checkpoints.directory} (step {run.checkpoints.latest_step()})")
+               f"TensorBoard: {tensorboard} | checkpoint: "
+               f"{run.checkpoints.directory}/{newest} (after step {newest - 1})")
