@@ -3,10 +3,11 @@
 Builds the mesh and the jitted steps (`launch.training.steps`); restores the newest readable
 orbax checkpoint in `workdir/checkpoints` if any; trains with the MoE metrics pipeline
 (TensorBoard tags and alerts in `workdir`), periodic eval and checkpoints (train state, data
-iterator, the MoE metrics' trailing windows, the autopilot); on SIGTERM finishes the current
-step, checkpoints it and returns. In `moe.moe_dropless_fallback='step'` mode an overflowing
-step runs dropless from its first overflowing MoE layer on, in the same compiled step (its
-outputs say whether it did). Works the same with one process or many (`jax.distributed`).
+iterator, the MoE metrics' trailing windows, the alerts' rate limits, the autopilot); on
+SIGTERM finishes the current step, checkpoints it and returns. In
+`moe.moe_dropless_fallback='step'` mode an overflowing step runs dropless from its first
+overflowing MoE layer on, in the same compiled step (its outputs say whether it did). Works
+the same with one process or many (`jax.distributed`).
 """
 from __future__ import annotations
 
@@ -214,7 +215,8 @@ class _Loop:
   def save(self, step: int) -> None:
     self.run_.checkpoints.save(step, self.state, self.run_.data.get_state(),
                                self.moe_metrics.aggregator.state_dict(),
-                               {} if self.pilot is None else self.pilot.state_dict())
+                               {} if self.pilot is None else self.pilot.state_dict(),
+                               self.moe_metrics.alerts.state_dict())
 
   def stop_if_nonfinite(self, fetched: int, step: int) -> None:
     """After a fetch through step `fetched`, with steps up to `step` dispatched: once too
@@ -394,6 +396,8 @@ def _resume(run: _Run, moe_metrics: metrics.MoEMetrics, pilot: autopilot.Autopil
   if restored is not None:
     run.data.set_state(restored.data)
     moe_metrics.aggregator.load_state_dict(restored.moe_metrics)
+    if restored.alerts:
+      moe_metrics.alerts.load_state_dict(restored.alerts)
     if pilot is not None and restored.autopilot:
       pilot.load_state_dict(restored.autopilot)
     run.console.line(f"resumed from {run.checkpoints.directory}/{restored.step}: the next "
