@@ -331,7 +331,7 @@ def train_and_evaluate(settings: Settings, workdir: str, stop_after: int | None 
   `Interrupted` once its checkpoint is written (exit status 130).
   """
   run = _setup(settings, workdir)
-  config, restored = settings.config, run.restored
+  config, restored = run.settings.config, run.restored
   if restored is not None and restored.step >= config.train_steps:
     run.console.line(
         f"{workdir} has trained steps 0-{restored.step - 1}, config.train_steps="
