@@ -881,7 +881,7 @@ def test_a_loss_spike_is_skipped_alerted_and_its_batch_found(baseline, tmp_path,
                       f"source 'stdlib' (seed {c.data.seed})")
   batch = make_data(c).global_batch(6)
   for r, (line, where) in enumerate(zip(lines[1:], position["rows"])):
-    text = repr(bytes(batch[r].astype(np.uint8)).decode("latin-1"))
+    text = repr(bytes(batch[r].astype(np.uint8)).decode("utf-8", "replace"))
     assert line == f"row {r}: {where['file']}:{where['offset']}: {text}", line
 
 
