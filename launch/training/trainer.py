@@ -45,15 +45,8 @@ from moe_hk import dispatch_plan
 
 def flat_hparams(config: ml_collections.ConfigDict) -> dict:
   """`{'moe/num_experts': 8, ...}`: the config's scalar fields for TensorBoard's HParams."""
-  flat = {}
-  def walk(prefix, node):
-    for key, value in node.items():
-      if isinstance(value, (dict, ml_collections.ConfigDict)):
-        walk(f"{prefix}{key}/", value)
-      elif isinstance(value, (bool, int, float, str)):
-        flat[prefix + key] = value
-  walk("", config)
-  return flat
+  return {key.replace(".", "/"): value for key, value in record.flatten(config).items()
+          if isinstance(value, (bool, int, float, str))}
 
 
 class _Stop:
