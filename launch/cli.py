@@ -49,6 +49,8 @@ class ConfigFlag:
     self.default = default and os.path.join(settings.CONFIGS, default)
     self.path: str | None = None  # the file loaded
     self.value: ml_collections.ConfigDict | None = None
+    self.explicit = False  # whether the command line named the file
+    self.overrides: list[tuple[str, str]] = []  # its --NAME.KEY=VALUE pairs, in order
 
   def take(self, argv: list[str]) -> list[str]:
     """Loads the config `argv` names (or the default) with its overrides; returns `argv`
@@ -79,7 +81,8 @@ class ConfigFlag:
                            exitcode=FLAG_MISUSE)
     if path is not None:
       self.value = settings.load(path, overrides, self.name)
-    self.path = path
+    self.path, self.overrides = path, overrides
+    self.explicit = path is not None and path != self.default
     return rest
 
 

@@ -7,7 +7,7 @@
 config.json and *.safetensors) and writes W as a run at step 0 whose model keys come from
 config.json and whose training settings come from --config and its overrides; it prints the
 semantics it mapped, and refuses in one line what the model does not implement.
-`python -m launch.train --workdir=W --config=W/run_config.py` fine-tunes it. `--to_hf` writes
+`python -m launch.train --workdir=W` fine-tunes it (with the config it recorded). `--to_hf` writes
 such a run's checkpoint (the newest, or --step) in the family's published layout and the dtype
 it was imported in, for `transformers.AutoModelForCausalLM.from_pretrained(DIR)`.
 """
@@ -45,9 +45,8 @@ def main(argv):
   cli.set_process(jax.process_index(), jax.process_count())
   if _FROM.value is not None:
     said = importing.import_checkpoint(_FROM.value, _WORKDIR.value, _CONFIG.value)
-    said += (f"\nwrote {_WORKDIR.value} at step 0; fine-tune: python -m launch.train "
-             f"--workdir={_WORKDIR.value} --config={_WORKDIR.value}/"
-             f"{importing.RUN_CONFIG_FILE}")
+    said += (f"\nwrote {_WORKDIR.value} at step 0; fine-tune: "
+             f"{cli.runnable('python', '-m', 'launch.train', f'--workdir={_WORKDIR.value}')}")
   else:
     said = exporting.export_run(_WORKDIR.value, _TO.value, _STEP.value,
                                 _MAX_SHARD_MIB.value << 20)

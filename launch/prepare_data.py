@@ -1,4 +1,4 @@
-"""Tokenizes text files into the launcher's ArrayRecord token files.
+r"""Tokenizes text files into the launcher's ArrayRecord token files.
 
   python -m launch.prepare_data --input='/data/text/*.txt' --output=/data/tokens \
       [--tokenizer=bytes|PATH/tokenizer.json] [--shards=8]
@@ -9,9 +9,11 @@ reads (`launch.training.data`), written in order over `--shards` files
 `OUTPUT/tokens-SSSSS-of-NNNNN.array_record`, so that the launcher, reading them in sorted path
 order, sees the files in their sorted order. `--tokenizer=bytes` makes each byte a token
 (vocabulary 256); a path names a Hugging Face `tokenizer.json`, read offline with the
-`tokenizers` library. `OUTPUT/prepare_data.json` records the tokenizer, its vocabulary size
-and the counts; the launcher refuses a `config.vocab_size` smaller than that vocabulary before
-it compiles. Then train with
+`tokenizers` library. `OUTPUT/prepare_data.json` records the tokenizer, its vocabulary size,
+the counts, and each input file with the shard, record and tokens it became (`files`, for
+`launch.batch`, which prints a batch's rows as text with their file and offset); the
+launcher refuses a `config.vocab_size` smaller than that vocabulary before it compiles. Then
+train with
 
   .venv/bin/python -m launch.train --workdir=DIR --config.data.source=array_record \
       --config.data.pattern='/data/tokens/*.array_record' --config.vocab_size=V
@@ -20,16 +22,15 @@ import glob
 import json
 import os
 import sys
-from typing import Callable, Sequence
+from typing import Callable, Sequence, TextIO
 
 import numpy as np
 from absl import flags
 
 from launch import cli
+from launch.provenance import BYTES, METADATA
 from launch.errors import UserError
 
-METADATA = "prepare_data.json"  # beside the token files: the tokenizer and its vocabulary
-BYTES = "bytes"
 
 _INPUT = flags.DEFINE_string("input", None, "Glob of the text files to tokenize (quote it).",
                              required=True)
@@ -73,28 +74,43 @@ def shard_path(output: str, shard: int, shards: int) -> str:
   return os.path.join(output, f"tokens-{shard:05d}-of-{shards:05d}.array_record")
 
 
+def _progress(stream: TextIO, done: int, total: int, tokens: int) -> None:
+  """`prepare_data: 2/5 files, 11,358 tokens`: rewritten in place on a terminal; in a log a
+  line at each tenth of the files."""
+  text = f"prepare_data: {done}/{total} files, {tokens:,} tokens"
+  if stream.isatty():
+    stream.write(f"\r{text}" + ("\n" if done == total else ""))
+  elif done * 10 // total != (done - 1) * 10 // total:
+    stream.write(text + "\n")
+  stream.flush()
+
+
 def write(paths: Sequence[str], output: str, encode: Callable[[bytes], np.ndarray],
-          shards: int, progress=sys.stderr) -> dict:
-  """Writes one record per input file over `shards` files, in order; returns the counts."""
+          shards: int, progress: TextIO = sys.stderr) -> dict:
+  """Writes one record per input file over `shards` files, in order; returns the counts and
+  `files`: each input's path, shard file, record index in that shard and token count."""
   from array_record.python.array_record_module import ArrayRecordWriter
   os.makedirs(output, exist_ok=True)
   writers = [ArrayRecordWriter(shard_path(output, s, shards), "group_size:1")
              for s in range(shards)]
-  tokens, largest = 0, -1
+  tokens, largest, files, in_shard = 0, -1, [], [0] * shards
   try:
     for i, path in enumerate(paths):
       with open(path, "rb") as f:
         ids = encode(f.read())
-      writers[i * shards // len(paths)].write(np.asarray(ids, "<i4").tobytes())
+      shard = i * shards // len(paths)
+      writers[shard].write(np.asarray(ids, "<i4").tobytes())
+      files.append({"path": os.path.abspath(path),
+                    "shard": os.path.basename(shard_path(output, shard, shards)),
+                    "record": in_shard[shard], "tokens": len(ids)})
+      in_shard[shard] += 1
       tokens += len(ids)
       largest = max(largest, int(ids.max(initial=-1)))
-      progress.write(f"\rprepare_data: {i + 1}/{len(paths)} files, {tokens:,} tokens")
-      progress.flush()
+      _progress(progress, i + 1, len(paths), tokens)
   finally:
     for w in writers:
       w.close()
-  progress.write("\n")
-  return {"records": len(paths), "tokens": tokens, "largest_id": largest}
+  return {"records": len(paths), "tokens": tokens, "largest_id": largest, "files": files}
 
 
 def main(argv):

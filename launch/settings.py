@@ -97,6 +97,16 @@ def load(path: str, overrides: Sequence[tuple[str, str]] = (), flag: str = "conf
   return config
 
 
+def load_record(workdir: str, overrides: Sequence[tuple[str, str]] = (),
+                flag: str = "config") -> ml_collections.ConfigDict:
+  """The config a run recorded in `workdir/config.json`, with `overrides` applied as `load`
+  applies them (what `launch.train --workdir=W` without --config resumes with)."""
+  config = saved(workdir)
+  for key, text in overrides:
+    _override(config, key, text, flag)
+  return config
+
+
 def _override(config: ml_collections.ConfigDict, key: str, text: str, flag: str) -> None:
   """Sets `config.<key>` from the command line's `text`, parsed as the key's current type."""
   *parents, name = key.split(".")
@@ -271,6 +281,8 @@ def _check_run(config: ml_collections.ConfigDict, layer: moe_hk.MoEConfig) -> No
            f"config.max_consecutive_nonfinite={config.max_consecutive_nonfinite} must be >= 1.")
   for name in ("train_steps", "eval_every", "checkpoint_every", "log_every", "learning_rate"):
     _require(config[name] > 0, f"config.{name}={config[name]} must be > 0.")
+  _require(config.get("schedule_steps", 0) >= 0, f"config.schedule_steps="
+           f"{config.get('schedule_steps')} must be >= 0 (0: the first start's train_steps).")
   _require(config.peak_tflops_per_device >= 0,
            f"config.peak_tflops_per_device={config.peak_tflops_per_device} must be >= 0 (0: "
            "the table's figure for the device kind).")

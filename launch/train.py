@@ -1,5 +1,8 @@
 """Trains the MoE transformer: `python -m launch.train --workdir=DIR [--config=FILE]`.
 
+Without --config, a workdir that holds a run (its `config.json`, written by `launch.train` or
+`launch.convert`) resumes with the config recorded there; a new workdir gets default.py.
+
 Any config field can be overridden with `--config.KEY=VALUE` (e.g. `--config.train_steps=50`);
 `--print_config` lists them all. Runs on the machine's TPUs or GPUs, or, where it has none, on
 `config.cpu_devices` simulated CPU devices (JAX_PLATFORMS chooses otherwise: launch.platform).
@@ -14,6 +17,7 @@ import os
 import sys
 
 import jax
+import ml_collections
 from absl import flags, logging
 
 from launch import cli, distributed, platform, settings as settings_lib
@@ -38,7 +42,8 @@ def _lost(workdir: str, timeout_s: int, count: int, processes: list[int]) -> Non
   from, then exit status 1 (the others cannot go on: every step needs every process)."""
   who = f"process{'es' if len(processes) > 1 else ''} {', '.join(map(str, processes))}"
   newest = checkpoints.newest_step(workdir)
-  resume = (f"the newest checkpoint is step {newest} in {workdir}/checkpoints: rerun every "
+  resume = (f"the newest checkpoint is {workdir}/checkpoints/{newest} (after step "
+            f"{newest - 1}): rerun every "
             "process's command to resume from it" if newest is not None else
             "no checkpoint was written yet: rerun every process's command to start again")
   sys.stderr.write(f"{cli.program()}: error: {who} of {count} stopped answering "
@@ -47,9 +52,21 @@ def _lost(workdir: str, timeout_s: int, count: int, processes: list[int]) -> Non
   os._exit(cli.USER_ERROR)
 
 
+def _config() -> ml_collections.ConfigDict:
+  """--config's config; without one on the command line, a workdir that holds a run resumes
+  with the config it recorded (its --config.KEY overrides applied), else default.py."""
+  workdir = _WORKDIR.value
+  if _CONFIG.explicit or not workdir or not os.path.isfile(
+      os.path.join(workdir, settings_lib.RUN_CONFIG)):
+    return _CONFIG.value
+  print(f"config: {os.path.join(workdir, settings_lib.RUN_CONFIG)} (the run's record; "
+        "--config=FILE to use another)", flush=True)
+  return settings_lib.load_record(workdir, _CONFIG.overrides)
+
+
 def main(argv):
   del argv  # launch.cli refuses arguments that are not flags
-  config = _CONFIG.value
+  config = _config()
   quiet = not flags.FLAGS["verbosity"].present
   if quiet:
     # The console is the trainer's own lines and warnings; libraries' INFO (orbax writes

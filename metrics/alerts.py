@@ -29,7 +29,8 @@ that fell back in it and the step's required factor (the maximum over layers), a
 TensorBoard shows them; `frequent_fallback` waits until the window holds the rule's
 `min_steps`. Sinks: absl `logging.warning`, `alerts.jsonl` in the
 workdir (one JSON object a line), and an optional callable. A rule fires at most once every
-`min_steps_between` steps.
+`min_steps_between` steps; that limit and each condition's start travel with checkpoints
+(`state_dict`).
 """
 from __future__ import annotations
 
@@ -95,6 +96,21 @@ class AlertManager:
     self._last_sent: dict[str, int] = {}
     self._near_worst: dict[int, int] = {}  # layer -> steps in a row near the worst case
     self._lock = threading.Lock()
+
+  def state_dict(self) -> dict:
+    """Each rule's last firing (the rate limit), since when each held condition holds, and the
+    layers' runs of steps near the worst case, JSON-serialisable (for checkpoints): a resumed
+    run fires no alert the uninterrupted one would not have."""
+    with self._lock:
+      return {"last_sent": dict(self._last_sent), "since": dict(self._since),
+              "near_worst": {str(i): n for i, n in self._near_worst.items()}}
+
+  def load_state_dict(self, state: dict) -> None:
+    """Restores `state_dict()`'s state."""
+    with self._lock:
+      self._last_sent = {rule: int(step) for rule, step in state["last_sent"].items()}
+      self._since = {rule: int(step) for rule, step in state["since"].items()}
+      self._near_worst = {int(i): int(n) for i, n in state["near_worst"].items()}
 
   def _conditions(self, m: StepMetrics) -> dict[str, list[int]]:
     """Rule -> layers it concerns, for the rules that hold at this step."""

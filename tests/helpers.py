@@ -139,6 +139,8 @@ def cached_make_steps(make_steps):
     if args or kwargs:
       return make_steps(run_settings, mesh, *args, **kwargs)
     key = json.loads(run_settings.config.to_json())
+    if key.get("schedule_steps"):  # the schedule's length is set: train_steps is host-only
+      key.pop("train_steps")
     for section, names in HOST_ONLY_KEYS.items():
       for name in names:
         (key[section] if section else key).pop(name, None)

@@ -2,6 +2,7 @@
 nothing of its failed reads reaches the console later, however often it happens."""
 import gc
 import glob
+import logging
 import os
 import sys
 import time
@@ -9,27 +10,69 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from absl.testing import absltest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from launch.training import checkpoints as checkpoints_lib
 
 
 def _state(seed: int) -> dict:
-  """A train-state-like tree of 48 arrays (many reads in flight when one fails)."""
+  """A train-state-like tree of 48 arrays, each sharded over the 8 devices: hundreds of shard
+  reads in flight when one fails, as in a trainer's restore."""
   rng = np.random.default_rng(seed)
-  return {f"layer_{i}": {"w": jnp.asarray(rng.normal(size=(64, 128)), jnp.float32),
-                         "b": jnp.asarray(rng.normal(size=(128,)), jnp.float32)}
-          for i in range(24)}
+  rows = NamedSharding(Mesh(np.array(jax.devices()), ("x",)), PartitionSpec("x"))
+  return {f"layer_{i}": {"w": jax.device_put(jnp.asarray(rng.normal(size=(64, 128)),
+                                                         jnp.float32), rows)}
+          for i in range(48)}
 
 
 def _corrupt_newest(directory: str) -> None:
-  """Truncates the newest checkpoint's largest array file, as a crash mid-copy would."""
+  """Truncates the newest checkpoint's largest array file to half, as a crash mid-copy
+  would: the reads of its first half succeed, the others fail."""
   newest = max(int(d) for d in os.listdir(directory) if d.isdigit())
   files = [f for f in glob.glob(os.path.join(directory, str(newest), "state", "**"),
                                 recursive=True) if os.path.isfile(f)]
   largest = max(files, key=os.path.getsize)
   with open(largest, "r+b") as f:
-    f.truncate(100)
+    f.truncate(os.path.getsize(largest) // 2)
+
+
+def _restore_corrupted(tmp_path, rounds: int) -> None:
+  """`rounds` times: two checkpoints, the newer corrupted, restored from the older with one
+  warning; then time for the failed reads' stragglers to finish."""
+  for round_ in range(rounds):
+    workdir = str(tmp_path / f"run{round_}")
+    saver = checkpoints_lib.Checkpoints(workdir, keep=3, every=1)
+    for step in (1, 2):
+      saver.save(step, _state(step), {"source": "stdlib"}, {}, {})
+    saver.wait()
+    saver.close()
+    _corrupt_newest(os.path.join(workdir, "checkpoints"))
+    reader = checkpoints_lib.Checkpoints(workdir, keep=3, every=1)
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype,
+                                                           sharding=a.sharding), _state(0))
+    with absltest.mock.patch.object(checkpoints_lib.logging, "warning") as warning:
+      restored = reader.restore(abstract)
+    reader.close()
+    assert restored.step == 1 and warning.call_count == 1, (round_, warning.call_args_list)
+    jax.tree.map(np.testing.assert_array_equal, restored.state, _state(1))
+    assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["1", "corrupt-2"]
+  time.sleep(2)  # the failed restores' last reads finish, their callbacks run
+  gc.collect()
+
+
+@pytest.mark.skipif(sys.version_info >= (3, 12), reason="Python 3.12's asyncio (jax 0.12) "
+                    "leaves no late reads in this scenario: 0 in 12 rounds")
+def test_late_reads_happen_in_this_scenario(tmp_path, monkeypatch):
+  """The control: without the trainer's filter, the failed reads' late callbacks do reach the
+  unraisable hook (dozens a restore on Python 3.11), so the test below has something to
+  drop."""
+  monkeypatch.setattr(checkpoints_lib, "_drop_late_reads", lambda folder: None)
+  unraisable = []
+  monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+  _restore_corrupted(tmp_path, rounds=2)
+  assert unraisable and all(checkpoints_lib._late_read(u) for u in unraisable)
 
 
 def test_an_unreadable_checkpoint_is_one_warning_ten_times_in_a_row(tmp_path):
@@ -37,25 +80,7 @@ def test_an_unreadable_checkpoint_is_one_warning_ten_times_in_a_row(tmp_path):
   previous = sys.unraisablehook
   sys.unraisablehook = unraisable.append  # what would reach the console, from here on
   try:
-    for round_ in range(10):
-      workdir = str(tmp_path / f"run{round_}")
-      saver = checkpoints_lib.Checkpoints(workdir, keep=3, every=1)
-      for step in (1, 2):
-        saver.save(step, _state(step), {"source": "stdlib"}, {}, {})
-      saver.wait()
-      saver.close()
-      _corrupt_newest(os.path.join(workdir, "checkpoints"))
-      reader = checkpoints_lib.Checkpoints(workdir, keep=3, every=1)
-      abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype,
-                                                             sharding=a.sharding), _state(0))
-      with absltest.mock.patch.object(checkpoints_lib.logging, "warning") as warning:
-        restored = reader.restore(abstract)
-      reader.close()
-      assert restored.step == 1 and warning.call_count == 1, (round_, warning.call_args_list)
-      jax.tree.map(np.testing.assert_array_equal, restored.state, _state(1))
-      assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["1", "corrupt-2"]
-    time.sleep(2)  # the failed restores' last reads finish, their callbacks run
-    gc.collect()
+    _restore_corrupted(tmp_path, rounds=10)
     # The hook the restores installed drops their late callbacks and passes the rest on.
     assert getattr(sys.unraisablehook, "drops_late_reads", False)
   finally:
@@ -65,3 +90,19 @@ def test_an_unreadable_checkpoint_is_one_warning_ten_times_in_a_row(tmp_path):
   other = type("Unraisable", (), {"exc_value": RuntimeError("a bug"), "object": None})()
   dropping(other)
   assert unraisable == [other]
+
+
+def test_asyncio_reports_of_late_reads_are_dropped_and_no_others(tmp_path):
+  """asyncio's 'never retrieved' report of a read error in a restored checkpoints folder is
+  dropped; the same report about anything else, and other asyncio errors, pass."""
+  folder = str(tmp_path / "checkpoints")
+  checkpoints_lib._drop_late_reads(folder)
+  def passes(message: str) -> bool:
+    record = logging.LogRecord("asyncio", logging.ERROR, __file__, 1, message, None, None)
+    return logging.getLogger("asyncio").filter(record)
+  late = ("Future exception was never retrieved\nfuture: <Future finished exception=ValueError("
+          f"'OUT_OF_RANGE: Error reading \"params\" at local file \"{folder}/8/state/\"')>")
+  assert not passes(late)
+  assert not passes("Task was destroyed but it is pending!")
+  assert passes(late.replace(folder, str(tmp_path / "elsewhere")))
+  assert passes("Exception in callback Handle._run()")

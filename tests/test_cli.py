@@ -203,3 +203,22 @@ def test_demo_bad_flag_is_one_line_exit_1():
   assert (done.returncode, done.stderr.splitlines()[-1]) == (
       cli.USER_ERROR, "launch.demo: error: MoEConfig.num_experts_per_tok=0 is invalid: must be a "
                       "positive integer.")
+
+
+def test_train_without_config_resumes_with_the_runs_record(tmp_path):
+  """`launch.train --workdir=W` without --config takes W/config.json (the run's record, here
+  with train_steps=0, so the start stops in one line before compiling: proof it was read),
+  its --config.KEY overrides applied on top; a workdir without one gets default.py."""
+  config = tiny.get_config()
+  config.train_steps = 0
+  settings.save(config, str(tmp_path))
+  run = lambda *flags: subprocess.run(
+      [sys.executable, "-m", "launch.train", f"--workdir={tmp_path}", *flags], cwd=ROOT,
+      capture_output=True, text=True, timeout=300)
+  done = run("--config.seed=3")
+  assert done.returncode == 1, done.stderr[-2000:]
+  assert done.stdout.startswith(f"config: {tmp_path}/config.json (the run's record")
+  assert done.stderr.strip().splitlines()[-1] == ("launch.train: error: config.train_steps=0 "
+                                                  "must be > 0.")
+  explicit = run("--config=launch/configs/tiny.py", "--config.train_steps=0")
+  assert "the run's record" not in explicit.stdout and explicit.returncode == 1

@@ -150,7 +150,7 @@ def test_launch_train_continues_the_import(imported, tmp_path, monkeypatch, caps
   run = str(tmp_path / "run")
   shutil.copytree(workdir, run)
   monkeypatch.setattr(trainer, "make_steps", _STEPS)
-  config = settings_lib.load(os.path.join(run, importing.RUN_CONFIG_FILE))
+  config = settings_lib.saved(run)
   losses = trainer.train_and_evaluate(settings_of(config), run, stop_after=2)
   assert "resumed from step 0" in capsys.readouterr().out
   assert len(losses) == 2 and np.all(np.isfinite(losses))

@@ -16,6 +16,7 @@ import time
 from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
@@ -24,8 +25,8 @@ import moe_hk
 from launch import settings as settings_lib
 from launch.errors import UserError
 from launch.planning import replay
-from launch.training import reporter as reporter_lib, trainer
-from launch.training import data as data_lib
+from launch.training import record, reporter as reporter_lib, trainer
+from launch.training import data as data_lib, spikes as spikes_lib
 from launch.training.steps import abstract_inputs
 from metrics import traffic
 from metrics.event_files import read_histograms, read_images, read_scalars
@@ -318,13 +319,14 @@ def test_a_stop_signal_checkpoints_the_current_step_and_the_run_resumes(tmp_path
   saved = max(int(s) for s in os.listdir(checkpoints) if s.isdigit())
   assert 1 < saved < 1000
   if stop == signal.SIGINT:
-    assert stdout.splitlines()[-1] == (f"stopped by Ctrl-C after step {saved} with a checkpoint; "
-                                       "the same command resumes.")
+    assert stdout.splitlines()[-1] == (f"stopped by Ctrl-C after step {saved - 1} with a "
+                                       "checkpoint; the same command resumes.")
   # The last progress line is the stopping interval's: no ETA (the run does not go on), and
   # no speed unless it ended at a boundary (an eval every 4 steps, a log every 10).
   lines = stdout.splitlines()
-  last = lines[lines.index(f"stopping after step {saved} with a checkpoint") - 1]
-  assert last.startswith(f"step {saved}/1000 | ") and "ETA" not in last, last
+  last = lines[lines.index(f"stopping after step {saved - 1} with a checkpoint "
+                           f"(checkpoints/{saved})") - 1]
+  assert last.startswith(f"step {saved - 1} ({saved}/1000) | ") and "ETA" not in last, last
   assert ("tok/s" in last) == (saved % 4 == 0 or saved % 10 == 0), last
   scalars = read_scalars(str(tmp_path))
   assert sorted(scalars["train/loss"]) == list(range(saved))  # metrics flushed up to the stop
@@ -336,6 +338,12 @@ def test_a_stop_signal_checkpoints_the_current_step_and_the_run_resumes(tmp_path
   np.testing.assert_allclose(resumed, straight[saved:], rtol=1e-6)
   np.testing.assert_allclose([scalars["train/loss"][s] for s in range(saved)],
                              straight[:saved], rtol=1e-6)
+  # The alerts' rate limits and "since" came back with the checkpoint: the resume fires none
+  # that the uninterrupted run did not (the tiny config falls back from step 0 on, so a resume
+  # that forgot them would fire fallback_ran again at step `saved`).
+  alerts = _alerts(tmp_path, since=True)
+  assert alerts and alerts[0][0] < saved
+  assert alerts == _alerts(tmp_path / "straight", since=True)
 
 
 def test_a_second_ctrl_c_exits_at_once(monkeypatch, capsys):
@@ -359,13 +367,14 @@ def test_a_second_ctrl_c_exits_at_once(monkeypatch, capsys):
   assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # pytest's again
 
 
-def _alerts(workdir) -> list[tuple]:
-  """(step, rule, layers) of each line of `workdir/alerts.jsonl`."""
+def _alerts(workdir, since: bool = False) -> list[tuple]:
+  """(step, rule, layers[, since]) of each line of `workdir/alerts.jsonl`."""
   path = os.path.join(workdir, "alerts.jsonl")
   if not os.path.exists(path):
     return []
   with open(path) as f:
-    return [(a["step"], a["rule"], a["layers"]) for a in map(json.loads, f)]
+    return [(a["step"], a["rule"], a["layers"], *([a["since"]] if since else []))
+            for a in map(json.loads, f)]
 
 
 def _two_processes(workdir, *flags, port=None):
@@ -379,21 +388,23 @@ def _two_processes(workdir, *flags, port=None):
 @pytest.mark.slow
 def test_two_processes_over_gloo_match_one_process(baseline, tmp_path):
   """2 processes x 4 CPU devices on loopback (jax.distributed, gloo collectives) train the
-  same 8-device mesh as one process and give the same losses. Three steps: the learning rate
-  of steps 0 and 1 is the warmup's whatever train_steps is, so the first three losses are the
-  8-step baseline's. Process 0 alone writes the alerts (the one-process run's, no more) and
-  the console's progress; process 1 prints its platform line and nothing else; neither
-  prints gloo's rank lines."""
-  procs = _two_processes(tmp_path / "two", "--config.train_steps=3")
+  same 8-device mesh as one process and give the same losses. Five steps on the 8-step
+  baseline's learning-rate schedule (config.schedule_steps=8), so the losses are the
+  baseline's first five, and the baseline's first alerts (step 3) are among them. Process 0
+  alone writes the alerts (the one-process run's, no more) and the console's progress;
+  process 1 prints its platform line and nothing else; neither prints gloo's rank lines."""
+  procs = _two_processes(tmp_path / "two", "--config.train_steps=5",
+                         "--config.schedule_steps=8")
   outputs = [p.communicate(timeout=600) for p in procs]
   for p, (_, stderr) in zip(procs, outputs):
     assert p.returncode == 0, stderr[-3000:]
   two = read_scalars(str(tmp_path / "two"))["train/loss"]
-  np.testing.assert_allclose([two[s] for s in range(3)], baseline.losses[:3], rtol=1e-5)
-  assert sorted(os.listdir(tmp_path / "two" / "checkpoints"))[-1] == "3"
-  assert _alerts(tmp_path / "two") == [a for a in _alerts(baseline.workdir) if a[0] < 3]
+  np.testing.assert_allclose([two[s] for s in range(5)], baseline.losses[:5], rtol=1e-5)
+  assert sorted(os.listdir(tmp_path / "two" / "checkpoints"))[-1] == "5"
+  expected = [a for a in _alerts(baseline.workdir, since=True) if a[0] < 5]
+  assert expected and _alerts(tmp_path / "two", since=True) == expected
   (out0, err0), (out1, err1) = outputs
-  assert "step 3/3 | loss" in out0 and out0.startswith("process 0/2: platform cpu: 8 devices")
+  assert "step 4 (5/5) | loss" in out0 and out0.startswith("process 0/2: platform cpu: 8 devices")
   assert out1.strip() == "process 1/2: platform cpu: 8 devices, 4 local, 2 processes", out1
   assert "alerts.py" not in err1 and "MoE overflow" not in err1, err1[-2000:]
   for output in (out0, err0, out1, err1):
@@ -419,8 +430,8 @@ def test_a_lost_process_ends_the_run_in_one_line_and_the_rerun_resumes(baseline,
   assert first[0].returncode == 1 and took < 5 + 40, (first[0].returncode, took, stderr[-2000:])
   assert stderr.splitlines()[-1] == (
       f"launch.train: error: process 1 of 2 stopped answering (no heartbeat for "
-      f"config.heartbeat_timeout_s=5 s); the newest checkpoint is step {saved} in {workdir}/"
-      "checkpoints: rerun every process's command to resume from it.")
+      f"config.heartbeat_timeout_s=5 s); the newest checkpoint is {workdir}/checkpoints/{saved} "
+      f"(after step {saved - 1}): rerun every process's command to resume from it.")
   assert "Traceback" not in stderr and "Check failure" not in stderr
   again = _two_processes(workdir, *flags)
   for p in again:
@@ -569,8 +580,10 @@ def test_console_reports_compile_progress_and_a_summary(baseline):
   assert lines[0] == "compiling the train step (it runs once compiled) ..."
   assert re.fullmatch(r"first step: \d+\.\d s \(compilation included\)", lines[1]), lines[1]
   progress = [line for line in lines if line.startswith("step ")]
-  # One per fetch: after steps 1, 4 and 8 (checkpoints, eval, the end; log_every=10).
-  assert [line.split(" | ")[0] for line in progress] == ["step 1/8", "step 4/8", "step 8/8"]
+  # One per fetch: after steps 0, 3 and 7 (checkpoints, eval, the end; log_every=10), each
+  # with the steps done.
+  assert [line.split(" | ")[0] for line in progress] == ["step 0 (1/8)", "step 3 (4/8)",
+                                                         "step 7 (8/8)"]
   fell_back = read_scalars(baseline.workdir)["learning/moe_dropless_fallback_layers"]
   for line, steps in zip(progress, ([0], [1, 2, 3], [4, 5, 6, 7])):
     fields = line.split(" | ")
@@ -602,8 +615,8 @@ def test_console_reports_compile_progress_and_a_summary(baseline):
   tensorboard = os.path.join(os.path.relpath(os.path.dirname(sys.executable)), "tensorboard")
   assert os.access(tensorboard, os.X_OK)
   assert where == (f"alerts: {alerts} new in {baseline.workdir}/alerts.jsonl | TensorBoard: "
-                   f"{tensorboard} --logdir {baseline.workdir} | checkpoints: "
-                   f"{baseline.workdir}/checkpoints (step 8)")
+                   f"{tensorboard} --logdir {baseline.workdir} | checkpoint: "
+                   f"{baseline.workdir}/checkpoints/8 (after step 7)")
 
 
 @pytest.mark.slow  # it reads the baseline run (30 s to train), like the cases above
@@ -611,9 +624,69 @@ def test_rerun_of_a_finished_run_says_so_and_changes_nothing(baseline, capsys):
   before = sorted(os.listdir(baseline.workdir))
   assert trainer.train_and_evaluate(settings_of(run_config()), baseline.workdir) == []
   assert capsys.readouterr().out == (
-      f"{baseline.workdir} is at step 8, config.train_steps=8: nothing to train. To train "
-      "longer, rerun with --config.train_steps=N, N > 8.\n")
+      f"{baseline.workdir} has trained steps 0-7, config.train_steps=8: nothing to train. To "
+      "train longer, rerun with --config.train_steps=N (N > 8); the learning-rate schedule "
+      "ends at step 8 (rate 0 after it) unless --config.schedule_steps=N re-plans it.\n")
   assert sorted(os.listdir(baseline.workdir)) == before
+
+
+@pytest.mark.slow  # it reads the baseline run
+def test_a_changed_model_key_ends_the_start_in_one_line_and_keeps_the_record(baseline,
+                                                                              monkeypatch):
+  """A resume with a key that shapes the checkpoints changed is refused before anything is
+  built, restored or written: one line naming each such key, old and new."""
+  record_path = os.path.join(baseline.workdir, "config.json")
+  with open(record_path) as f:
+    before = f.read()
+  listed = sorted(os.listdir(baseline.workdir))
+  config = run_config(emb_dim=64, optimizer_state_dtype="bfloat16")
+  _no_compiling(monkeypatch)
+  with pytest.raises(UserError) as refused:
+    trainer.train_and_evaluate(settings_of(config), baseline.workdir)
+  assert str(refused.value) == (
+      f"{baseline.workdir} holds checkpoints of another model: config.emb_dim 32 -> 64, "
+      "config.optimizer_state_dtype 'float32' -> 'bfloat16' changed since its last start "
+      f"({record_path}); start a new run in another --workdir, or drop the override to resume "
+      "this one.")
+  with open(record_path) as f:
+    assert f.read() == before
+  assert sorted(os.listdir(baseline.workdir)) == listed
+
+
+def _cosine_rate(step: int, total: int, warmup: int = 2, peak: float = 3e-3) -> float:
+  """The warmup-then-cosine learning rate, written out: 0 from step `total` on."""
+  if step < warmup:
+    return peak * step / warmup
+  done = min(step - warmup, total - warmup) / (total - warmup)
+  return peak * 0.5 * (1 + np.cos(np.pi * done))
+
+
+@pytest.mark.slow  # it resumes a copy of the baseline run
+def test_raising_train_steps_keeps_the_schedule_and_says_so(baseline, tmp_path, capsys):
+  """train_steps 8 -> 10 on resume: the rate goes on along the first start's 8-step schedule
+  (0 from step 8; a re-planned one would be 4.4e-4 at step 8), the console says what changed
+  and what the rate is, and the start's config is kept beside the first's. An explicit
+  schedule_steps re-plans it, and the console states the rate at the resume step before and
+  after."""
+  workdir = str(tmp_path / "run")
+  shutil.copytree(baseline.workdir, workdir)
+  capsys.readouterr()
+  assert len(trainer.train_and_evaluate(settings_of(run_config(train_steps=10)), workdir)) == 2
+  lines = capsys.readouterr().out.splitlines()
+  assert lines[:2] == [
+      "changed since the last start: train_steps 8 -> 10",
+      "learning rate: the schedule ends at step 8 (config.schedule_steps, as recorded); steps "
+      "8-9 train at rate 0: --config.schedule_steps=N re-plans it."]
+  rates = read_scalars(workdir)["train/learning_rate"]
+  np.testing.assert_allclose([rates[s] for s in range(10)],
+                             [_cosine_rate(s, 8) for s in range(10)], rtol=1e-5, atol=1e-9)
+  assert sorted(os.listdir(os.path.join(workdir, "configs"))) == ["0.json", "8.json"]
+  assert settings_lib.saved(workdir).schedule_steps == 8
+  start = record.check(run_config(train_steps=12, schedule_steps=12), workdir)
+  assert start.config.schedule_steps == 12 and "schedule_steps 8 -> 12" in start.changed
+  assert record.schedule_notes(start, 10) == [
+      f"config.schedule_steps 8 -> 12 re-plans the learning rate: at step 10 it was 0, it is "
+      f"now {_cosine_rate(10, 12):.3g}."]
 
 
 def _no_compiling(monkeypatch) -> None:
@@ -733,7 +806,8 @@ def test_failed_checkpoint_write_stops_in_one_line_and_keeps_the_previous(baseli
     if failure == "read_only":
       remount("ro")
     with pytest.raises(UserError, match=rf"writing a checkpoint to {checkpoints} failed \(.*"
-                                        r"\); step 4 is the newest intact one: free space or fix "
+                                        r"\); checkpoints/4 is the newest intact one: free space "
+                                        r"or fix "
                                         r"the folder's permissions, then rerun to resume\.$"):
       trainer.train_and_evaluate(settings_of(run_config()), workdir)
     if ballast:
@@ -812,7 +886,7 @@ def test_a_loss_spike_is_skipped_alerted_and_its_batch_found(baseline, tmp_path,
                       f"source 'stdlib' (seed {c.data.seed})")
   batch = make_data(c).global_batch(6)
   for r, (line, where) in enumerate(zip(lines[1:], position["rows"])):
-    text = repr(bytes(batch[r].astype(np.uint8)).decode("latin-1"))
+    text = repr(bytes(batch[r].astype(np.uint8)).decode("utf-8", "replace"))
     assert line == f"row {r}: {where['file']}:{where['offset']}: {text}", line
 
 
@@ -871,3 +945,21 @@ def test_nonfinite_router_input_is_counted_skipped_and_stops_the_run(tmp_path, m
   jax.tree.map(np.testing.assert_array_equal, (saved.params, saved.opt_state),
                (initial["state"].params, initial["state"].opt_state))
   assert sorted(os.listdir(tmp_path / "checkpoints")) == ["1", "4"]
+
+
+def test_a_spike_is_judged_only_from_min_steps_applied_steps_on():
+  """A window of 16 (16 // 8 = 2 < MIN_STEPS = 4): with three applied steps a loss 100x
+  theirs is no spike (no basis yet); with four it is, against the window's mean and sample
+  deviation computed here with numpy."""
+  assert spikes_lib.MIN_STEPS == 4
+  window, losses = spikes_lib.empty(16), [1.0, 1.2, 0.9, 1.1]
+  for i, loss in enumerate(losses):
+    judged = spikes_lib.check(window, jnp.float32(100.0), jnp.float32(1.0), sigma=6.0)
+    assert not bool(judged.spike), i  # i applied steps: below the 4 of the contract
+    window = spikes_lib.push(window, jnp.float32(loss), jnp.float32(1.0), jnp.bool_(True))
+  judged = spikes_lib.check(window, jnp.float32(100.0), jnp.float32(1.0), sigma=6.0)
+  assert bool(judged.spike)
+  np.testing.assert_allclose(judged.mean, [np.mean(losses), 1.0], rtol=1e-6)
+  np.testing.assert_allclose(judged.std, [np.std(losses, ddof=1), 0.0], rtol=1e-5, atol=1e-7)
+  # Not a spike within sigma deviations of the mean.
+  assert not bool(spikes_lib.check(window, jnp.float32(1.3), jnp.float32(1.0), 6.0).spike)

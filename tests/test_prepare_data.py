@@ -11,6 +11,7 @@ import tokenizers
 from array_record.python.array_record_data_source import ArrayRecordDataSource
 from tokenizers import models, pre_tokenizers, trainers
 
+from launch import batch_view as batch
 from launch.training import data as data_lib, trainer
 from tests.helpers import ROOT, TINY, TINY_FLAGS, settings_of, tiny_config
 
@@ -49,11 +50,15 @@ def test_bytes_one_record_per_file_in_path_order(texts, tmp_path):
     np.testing.assert_array_equal(got, want)
   with open(tmp_path / "tokens" / "prepare_data.json") as f:
     metadata = json.load(f)
+  files = [{"path": str(texts / name), "shard": f"tokens-0000{i}-of-00002.array_record",
+            "record": 0, "tokens": len(want)}
+           for i, (name, want) in enumerate(zip(("a.txt", "b.txt"), expected))]
   assert metadata == {"tokenizer": "bytes", "vocab_size": 256, "shards": 2, "records": 2,
                       "tokens": sum(map(len, expected)), "largest_id": int(max(map(max, expected))),
-                      "inputs": 2}
+                      "files": files, "inputs": 2}
   assert done.stdout.strip().endswith("--config.vocab_size=256")
-  assert "prepare_data: 2/2 files, " in done.stderr  # the progress line
+  # The progress, captured (not a terminal): whole lines, no carriage return.
+  assert "prepare_data: 2/2 files, " in done.stderr and "\r" not in done.stderr
   # What the launcher's array_record source reads: the records, concatenated in order.
   config = tiny_config()
   config.data.update(source="array_record", pattern=str(tmp_path / "tokens" / "*.array_record"))
@@ -62,6 +67,26 @@ def test_bytes_one_record_per_file_in_path_order(texts, tmp_path):
   width = config.data.seq_len + 1
   for row, where in zip(data.global_batch(0), data.position(0)["rows"]):
     np.testing.assert_array_equal(row, stream[where["window"] * width:][:width])
+  # launch.batch names each row's input file and offset in it, and shows its text, read here
+  # from the input file itself.
+  shown_as = batch.source(config, ids=False)
+  lines = batch.describe(data.position(0), data.global_batch(0), 0, 20, shown_as)
+  for line, where in zip(lines[1:], data.position(0)["rows"]):
+    name = ("a.txt", "b.txt")[where["record"]]
+    head = TEXTS[name].encode()[where["offset"]:][:20].decode()
+    assert line == (f"row {lines.index(line) - 1}: {texts / name} token {where['offset']} "
+                    f"(record {where['record']}) (window {where['window']}): {head!r}"), line
+  ids = batch.describe(data.position(0), data.global_batch(0), 1, 4,
+                       batch.source(config, ids=True))[1]
+  assert ids.endswith(": " + " ".join(map(str, data.global_batch(0)[0, :4])))
+  # A pattern that also matches the metadata is one line naming that file.
+  config.data.pattern = str(tmp_path / "tokens" / "*")
+  with pytest.raises(ValueError) as refused:
+    data_lib.make_data(config)
+  assert str(refused.value) == (
+      f"config.data.pattern='{tmp_path / 'tokens' / '*'}' matches "
+      f"{tmp_path / 'tokens' / 'prepare_data.json'}, which is not an ArrayRecord token file: "
+      f"narrow the pattern, e.g. '{tmp_path / 'tokens' / '*.array_record'}'.")
 
 
 def _tokenizer_file(path, texts) -> tokenizers.Tokenizer:

@@ -112,6 +112,10 @@ def _training(c: ml_collections.ConfigDict) -> None:
   c.learning_rate = 3e-3
   c.warmup_steps = 20
   c.train_steps = 200
+  # The step the cosine decay reaches 0 at (the rate is 0 after it). 0: the run's first
+  # start's train_steps, recorded in WORKDIR/config.json, so a resume with a raised train_steps
+  # keeps the schedule; set it to re-plan the schedule of a run (the console says what changed).
+  c.schedule_steps = 0
   c.weight_decay = 0.01
   c.grad_clip_norm = 1.0
   # dtype Adam's moments are stored in between steps ('float32' or 'bfloat16', as DeepSeek-V3

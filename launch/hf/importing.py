@@ -3,7 +3,7 @@
 The run's config is the given one with the model keys of the checkpoint's config.json
 (`hf_config.model_keys`); its checkpoint 0 holds the parameters, read leaf by leaf into their
 shards (`reading`), a fresh optimizer state and the data's start, in the format `launch.train`
-writes, so `launch.train --workdir=W --config=W/run_config.py` fine-tunes from it.
+writes, with the run's record `config.json`, so `launch.train --workdir=W` fine-tunes from it.
 """
 from __future__ import annotations
 
@@ -24,21 +24,9 @@ from launch.hf.family import Family
 from launch.training import checkpoints, data as data_lib, spikes, steps as steps_lib
 
 SOURCE = "hf_source.json"        # in the workdir: the family, dtype and config.json imported
-RUN_CONFIG_FILE = "run_config.py"  # in the workdir: the run's config as a --config file
 # What a checkpoint folder may hold besides the weights that the run keeps and exports.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "generation_config.json", "tokenizer.model", "vocab.json", "merges.txt")
-_CONFIG_FILE = '''"""The config launch.convert --from_hf wrote for this run (a --config file)."""
-import json
-
-import ml_collections
-
-RECORD = {record!r}
-
-
-def get_config() -> ml_collections.ConfigDict:
-  return ml_collections.ConfigDict(json.loads(RECORD))
-'''
 
 
 def configured(config: ml_collections.ConfigDict, keys: dict) -> ml_collections.ConfigDict:
@@ -88,10 +76,8 @@ def _save(settings: settings_lib.Settings, workdir: str, state) -> None:
 
 def _record(folder: str, workdir: str, config: ml_collections.ConfigDict, hf: dict,
             dtype: str) -> None:
-  """The run's config (config.json and a --config file), what was imported, the tokenizer."""
+  """The run's record (config.json), what was imported, the tokenizer."""
   settings_lib.save(config, workdir)
-  with open(os.path.join(workdir, RUN_CONFIG_FILE), "w") as f:
-    f.write(_CONFIG_FILE.format(record=config.to_json()))
   with open(os.path.join(workdir, SOURCE), "w") as f:
     json.dump({"from": os.path.abspath(folder), "dtype": dtype, "config": hf}, f, indent=2)
   for name in TOKENIZER_FILES:

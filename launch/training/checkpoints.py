@@ -1,15 +1,16 @@
 """The run's orbax checkpoints, which never strand it.
 
 A checkpoint holds the train state, the data iterator's state, the MoE metrics' trailing
-windows and the autopilot's state, in `WORKDIR/checkpoints/<step>`. On restore the newest
-checkpoint that reads wins: newer ones that do not read (a truncated array file, garbage JSON)
-are moved aside to `checkpoints/corrupt-<step>` (never deleted), each with one warning line, so
-a restart resumes by itself, and nothing else about it reaches the console (the failed reads'
-late callbacks: `_drop_late_reads`). When none reads, nothing moves and the run stops with one line
-naming the folder. A save that fails (disk full, read-only folder) stops the run with one line;
-orbax writes each checkpoint to a temporary folder and renames it when complete, so the
-previous checkpoint stays intact, and the failed save's temporary folder is removed (its
-space is freed where the folder is writable).
+windows, the alerts' rate limits and the autopilot's state, in `WORKDIR/checkpoints/<step>`
+(the state before step `<step>`, steps counted from 0). On restore the newest checkpoint that
+reads wins: newer ones that do not read (a truncated array file, garbage JSON) are moved aside
+to `checkpoints/corrupt-<step>` (never deleted), each with one warning line, so a restart
+resumes by itself, and nothing else about it reaches the console (the failed reads' late
+callbacks and asyncio's reports of them: `_drop_late_reads`). When none reads, nothing moves
+and the run stops with one line naming the folder. A save that fails (disk full, read-only
+folder) stops the run with one line; orbax writes each checkpoint to a temporary folder and
+renames it when complete, so the previous checkpoint stays intact, and the failed save's
+temporary folder is removed (its space is freed where the folder is writable).
 """
 from __future__ import annotations
 
@@ -45,6 +46,7 @@ class Restored(NamedTuple):
   data: dict           # the data iterator's `get_state()`
   moe_metrics: dict    # the aggregator's `state_dict()`
   autopilot: dict      # the autopilot's `state_dict()`, {} without one
+  alerts: dict         # the alert manager's `state_dict()`, {} in checkpoints without it
 
 
 def _reason(error: Exception) -> str:
@@ -65,22 +67,37 @@ def _late_read(unraisable) -> bool:
   return code is not None and f"{os.sep}orbax{os.sep}" in code.co_filename
 
 
-class _PendingTasks(logging_lib.Filter):
-  """asyncio's report of a task destroyed while pending (a failed restore's reads)."""
+class _LateReadLogs(logging_lib.Filter):
+  """asyncio's reports of a failed restore's reads: tasks destroyed while pending, and futures
+  whose read error (naming a file of a checkpoints folder in `folders`) nobody retrieved."""
+
+  def __init__(self):
+    super().__init__()
+    self.folders: set[str] = set()
 
   def filter(self, record: logging_lib.LogRecord) -> bool:
-    return not record.getMessage().startswith("Task was destroyed but it is pending")
+    text = record.getMessage()
+    if text.startswith("Task was destroyed but it is pending"):
+      return False
+    return not (text.startswith("Future exception was never retrieved") and
+                any(folder in text for folder in self.folders))
 
 
-def _drop_late_reads() -> None:
-  """After a restore that failed: orbax read the checkpoint's arrays on an event loop that it
-  closed when the first read failed; the other reads, still under way in tensorstore, finish
-  later, failing on the same file or not, with nobody to take their results: their callbacks
-  find that loop closed (`RuntimeError: Event loop is closed`), their coroutines' errors are
-  never awaited (both printed as unraisable exceptions, hundreds of tracebacks for a large
-  state), and asyncio reports their tasks destroyed while pending. Those, and only those, are
+_LATE_READ_LOGS = _LateReadLogs()
+
+
+def _drop_late_reads(folder: str) -> None:
+  """Before restoring from checkpoints `folder`: when a read fails, orbax closes the event
+  loop it reads the checkpoint's arrays on, while the other reads are still under way in
+  tensorstore; those finish later, failing on the same file or not, with nobody to take their
+  results: their callbacks find that loop closed (`RuntimeError: Event loop is closed`), their
+  coroutines' errors are never awaited (both printed as unraisable exceptions, hundreds of
+  tracebacks for a large state), and asyncio reports their tasks destroyed while pending and
+  their futures' errors never retrieved. The first of them can come before the restore's
+  error reaches the caller, so this is in place before any read. Those, and only those, are
   dropped for the rest of the process: every other unraisable exception and asyncio error
   still prints."""
+  _LATE_READ_LOGS.folders.add(folder)
   previous = sys.unraisablehook
   if getattr(previous, "drops_late_reads", False):
     return
@@ -89,7 +106,7 @@ def _drop_late_reads() -> None:
       previous(unraisable)
   hook.drops_late_reads = True
   sys.unraisablehook = hook
-  logging_lib.getLogger("asyncio").addFilter(_PendingTasks())
+  logging_lib.getLogger("asyncio").addFilter(_LATE_READ_LOGS)
 
 
 class Checkpoints:
@@ -107,11 +124,13 @@ class Checkpoints:
   def should_save(self, step: int) -> bool:
     return self._manager.should_save(step)
 
-  def save(self, step: int, state, data: dict, moe_metrics: dict, autopilot: dict) -> None:
+  def save(self, step: int, state, data: dict, moe_metrics: dict, autopilot: dict,
+           alerts: dict | None = None) -> None:
     """Starts writing checkpoint `step` (in the background); UserError when a write fails."""
     self._guarded(lambda: self._manager.save(step, force=True, args=ocp.args.Composite(
         state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data),
-        moe_metrics=ocp.args.JsonSave(moe_metrics), autopilot=ocp.args.JsonSave(autopilot))))
+        moe_metrics=ocp.args.JsonSave(moe_metrics), autopilot=ocp.args.JsonSave(autopilot),
+        alerts=ocp.args.JsonSave(alerts or {}))))
 
   def wait(self) -> None:
     """Blocks until every started save is complete; UserError when one failed."""
@@ -127,7 +146,8 @@ class Checkpoints:
             shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
       intact = [s for s in self._manager.all_steps()
                 if os.path.isdir(os.path.join(self.directory, str(s)))]
-      newest = f"step {max(intact)} is the newest intact one" if intact else "none was written"
+      newest = (f"checkpoints/{max(intact)} is the newest intact one" if intact else
+                "none was written")
       raise UserError(f"writing a checkpoint to {self.directory} failed ({_reason(e)}); "
                       f"{newest}: free space or fix the folder's permissions, then rerun to "
                       "resume.") from None
@@ -138,26 +158,33 @@ class Checkpoints:
     checkpoints are moved aside."""
     steps = sorted(self._manager.all_steps(), reverse=True)
     failed = []
+    if steps:
+      _drop_late_reads(self.directory)
     for step in steps:
       try:
         restored = self._manager.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore(),
-            moe_metrics=ocp.args.JsonRestore(), autopilot=ocp.args.JsonRestore()))
+            moe_metrics=ocp.args.JsonRestore(), autopilot=ocp.args.JsonRestore(),
+            **self._alerts_item(step)))
       except Exception as e:  # what an unreadable checkpoint raises varies by what broke
         failed.append((step, _reason(e)))
-        _drop_late_reads()
         continue
       for bad, reason in failed:
         self._move_aside(bad, reason)
       if failed:
         self._manager.reload()
       return Restored(step, restored.state, restored.data, restored.moe_metrics,
-                      restored.autopilot or {})
+                      restored.autopilot or {}, restored.get("alerts") or {})
     if failed:
       listed = "; ".join(f"step {s}: {r}" for s, r in failed)
       raise UserError(f"no checkpoint in {self.directory} reads ({listed}): move the folder "
                       "away to train from scratch, or restore a copy.")
     return None
+
+  def _alerts_item(self, step: int) -> dict:
+    """The alerts' item to restore, where checkpoint `step` has one (older ones do not)."""
+    present = os.path.isdir(os.path.join(self.directory, str(step), "alerts"))
+    return {"alerts": ocp.args.JsonRestore()} if present else {}
 
   def _move_aside(self, step: int, reason: str) -> None:
     """Renames checkpoint `step` to `corrupt-<step>` (process 0; every process waits)."""

@@ -2,7 +2,7 @@
 
     compiling the train step (the first step runs when it is compiled) ...
     first step: 23.4 s (compilation included)
-    step 120/200 | loss 2.031 | 9.1k tok/s | 0.44 s/step | 0.0153 TFLOP/s/dev | fallback 3/10
+    step 119 (120/200) | loss 2.031 | 9.1k tok/s | 0.44 s/step | 0.0153 TFLOP/s/dev | fallback 3/10
         steps | factor 2 | ETA 0:00:35    (one line)
     done: steps 0-199 in 0:01:40 | loss 1.874 (eval 1.902) | fallback in 12% of steps | ...
 
@@ -61,11 +61,12 @@ class Console:
       print(text, file=self._stream, flush=True)
 
   def progress(self, i: Interval) -> None:
-    """`step 120/200 | loss 2.031 | 9.1k tok/s | ...`; the ETA assumes the interval's speed
+    """`step 119 (120/200) | loss 2.031 | ...`: the interval's last step (0-based, as
+    everywhere) and the steps done of the run's; the ETA assumes the interval's speed
     (the interval that compiled the step, or one cut short by a stop, shows neither; the
     interval the run stops after shows no ETA)."""
     done = i.last_step + 1
-    fields = [f"step {done}/{self.total_steps}", f"loss {i.loss:.4g}"]
+    fields = [f"step {i.last_step} ({done}/{self.total_steps})", f"loss {i.loss:.4g}"]
     if i.seconds_per_step is not None:
       fields += [f"{rate(i.tokens_per_second)} tok/s", f"{i.seconds_per_step:.3g} s/step"]
       if i.tflops_per_device is not None:

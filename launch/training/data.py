@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Callable, Protocol
 
 import numpy as np
 
+from launch import provenance
 from launch.errors import UserError
 from launch.settings import DATA_SOURCES
 
@@ -228,6 +229,23 @@ def _record_tokens(record: bytes, index: int) -> int:
   return len(record) // 4
 
 
+def _check_array_records(paths: list[str], pattern: str) -> None:
+  """ValueError naming the first of `paths` (matched by `pattern`) that is not an ArrayRecord
+  file (the ArrayRecord reader fails on it)."""
+  from array_record.python.array_record_module import ArrayRecordReader
+
+  for path in paths:
+    try:
+      reader = ArrayRecordReader(path)
+      reader.num_records()
+      reader.close()
+    except Exception:  # noqa: BLE001  (array_record raises RuntimeError for any failure)
+      folder = os.path.dirname(path) or "."
+      raise ValueError(f"config.data.pattern={pattern!r} matches {path}, which is not an "
+                       f"ArrayRecord token file: narrow the pattern, e.g. "
+                       f"'{os.path.join(folder, '*.array_record')}'.") from None
+
+
 def array_record_stream(paths: list[str]) -> TokenStream:
   """The int32 records of the ArrayRecord files `paths`, concatenated in order.
 
@@ -336,7 +354,7 @@ def _check_vocabulary(paths: list[str], vocab_size: int) -> None:
   """UserError when `launch.prepare_data` wrote `paths` with a larger vocabulary than
   `vocab_size` (its `prepare_data.json` beside them says)."""
   for folder in sorted({os.path.dirname(p) for p in paths}):
-    metadata = os.path.join(folder, "prepare_data.json")
+    metadata = os.path.join(folder, provenance.METADATA)
     if not os.path.isfile(metadata):
       continue
     with open(metadata) as f:
@@ -347,7 +365,7 @@ def _check_vocabulary(paths: list[str], vocab_size: int) -> None:
                       f"is smaller: pass --config.vocab_size={prepared['vocab_size']}.")
 
 
-def _matching_files(pattern: str, source: str) -> list[str]:
+def matching_files(pattern: str, source: str) -> list[str]:
   """The files matching `pattern`, sorted."""
   if not pattern:
     raise ValueError(f"config.data.source={source!r} needs config.data.pattern, a glob of its "
@@ -371,9 +389,10 @@ def make_data(config, *, process_index: int = 0, process_count: int = 1) -> Data
   elif d.source == "synthetic":
     tokens = np.random.default_rng(d.seed).integers(0, VOCAB_SIZE, d.max_bytes, dtype=np.uint8)
   else:  # 'files' or 'array_record' (launch.settings checked the source)
-    paths = _matching_files(d.pattern, d.source)
+    paths = matching_files(d.pattern, d.source)
     as_bytes = d.source == "files"
     if not as_bytes:
+      _check_array_records(paths, d.pattern)
       _check_vocabulary(paths, config.vocab_size)
     stream = file_stream(paths) if as_bytes else array_record_stream(paths)
     return GrainData(stream, source=d.source,

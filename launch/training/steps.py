@@ -44,12 +44,18 @@ class Steps(NamedTuple):
   schedule: optax.Schedule
 
 
+def learning_rate_schedule(config) -> optax.Schedule:
+  """Linear warmup over `config.warmup_steps`, then cosine decay to 0 at
+  `config.schedule_steps` (0 or absent: `config.train_steps`), 0 after it."""
+  steps = config.get("schedule_steps") or config.train_steps
+  return optax.warmup_cosine_decay_schedule(0.0, config.learning_rate, config.warmup_steps,
+                                            max(steps, config.warmup_steps + 1))
+
+
 def make_optimizer(config) -> tuple[optax.GradientTransformation, optax.Schedule]:
-  """AdamW with linear warmup then cosine decay, after global-norm clipping; its moments
+  """AdamW with `learning_rate_schedule(config)`, after global-norm clipping; its moments
   stored in `config.optimizer_state_dtype`."""
-  schedule = optax.warmup_cosine_decay_schedule(
-      0.0, config.learning_rate, config.warmup_steps,
-      max(config.train_steps, config.warmup_steps + 1))
+  schedule = learning_rate_schedule(config)
   adamw = optax.adamw(schedule, weight_decay=config.weight_decay)
   if config.optimizer_state_dtype != "float32":
     adamw = stored_as(adamw, jnp.dtype(config.optimizer_state_dtype))

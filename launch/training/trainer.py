@@ -3,10 +3,11 @@
 Builds the mesh and the jitted steps (`launch.training.steps`); restores the newest readable
 orbax checkpoint in `workdir/checkpoints` if any; trains with the MoE metrics pipeline
 (TensorBoard tags and alerts in `workdir`), periodic eval and checkpoints (train state, data
-iterator, the MoE metrics' trailing windows, the autopilot); on SIGTERM finishes the current
-step, checkpoints it and returns. In `moe.moe_dropless_fallback='step'` mode an overflowing
-step runs dropless from its first overflowing MoE layer on, in the same compiled step (its
-outputs say whether it did). Works the same with one process or many (`jax.distributed`).
+iterator, the MoE metrics' trailing windows, the alerts' rate limits, the autopilot); on
+SIGTERM finishes the current step, checkpoints it and returns. In
+`moe.moe_dropless_fallback='step'` mode an overflowing step runs dropless from its first
+overflowing MoE layer on, in the same compiled step (its outputs say whether it did). Works
+the same with one process or many (`jax.distributed`).
 """
 from __future__ import annotations
 
@@ -28,11 +29,11 @@ import metrics
 import moe_hk
 from launch.errors import Interrupted, UserError, user_errors
 from launch.planning import autopilot
-from launch import cli, settings as settings_lib
+from launch import cli
 from launch.settings import Settings
 from launch.training import console as console_lib
 from launch.training import data as data_lib
-from launch.training import programs, throughput
+from launch.training import programs, record, throughput
 from launch.training.checkpoints import Checkpoints, Restored
 from launch.training.reporter import Pending, Reporter, Speed
 from launch.training.steps import Steps, abstract_inputs, make_steps
@@ -44,15 +45,8 @@ from moe_hk import dispatch_plan
 
 def flat_hparams(config: ml_collections.ConfigDict) -> dict:
   """`{'moe/num_experts': 8, ...}`: the config's scalar fields for TensorBoard's HParams."""
-  flat = {}
-  def walk(prefix, node):
-    for key, value in node.items():
-      if isinstance(value, (dict, ml_collections.ConfigDict)):
-        walk(f"{prefix}{key}/", value)
-      elif isinstance(value, (bool, int, float, str)):
-        flat[prefix + key] = value
-  walk("", config)
-  return flat
+  return {key.replace(".", "/"): value for key, value in record.flatten(config).items()
+          if isinstance(value, (bool, int, float, str))}
 
 
 class _Stop:
@@ -108,11 +102,12 @@ class _Run(NamedTuple):
 
 
 def _setup(settings: Settings, workdir: str) -> _Run:
-  """The mesh, data, steps and checkpoints of the run, checked before anything compiles; the
-  config saved as `workdir/config.json` (for `launch.batch`)."""
+  """The mesh, data, steps and checkpoints of the run, checked before anything compiles (the
+  config against the workdir's record first: `record`); once the checkpoint is restored the
+  config is recorded as `workdir/config.json` (for the next start and `launch.batch`)."""
   _check_workdir(workdir)
-  if jax.process_index() == 0:
-    settings_lib.save(settings.config, workdir)
+  start = record.check(settings.config, workdir)
+  settings = settings._replace(config=start.config)
   mesh = moe_hk.make_mesh(**settings.mesh)
   with user_errors():
     data = data_lib.make_data(settings.config, process_index=jax.process_index(),
@@ -122,8 +117,15 @@ def _setup(settings: Settings, workdir: str) -> _Run:
   checkpoints = Checkpoints(workdir, keep=config.checkpoints_to_keep,
                             every=config.checkpoint_every)
   restored = checkpoints.restore(abstract_inputs(config, steps)[0])
-  return _Run(settings, workdir, mesh, data, steps, console_lib.Console(config.train_steps),
-              checkpoints, restored)
+  step = 0 if restored is None else restored.step
+  if jax.process_index() == 0:
+    record.write(config, workdir, step)
+  console = console_lib.Console(config.train_steps)
+  if start.changed:
+    console.line(f"changed since the last start: {', '.join(start.changed)}")
+  for line in record.schedule_notes(start, step):
+    console.line(line)
+  return _Run(settings, workdir, mesh, data, steps, console, checkpoints, restored)
 
 
 def _check_workdir(workdir: str) -> None:
@@ -198,7 +200,8 @@ class _Loop:
   def save(self, step: int) -> None:
     self.run_.checkpoints.save(step, self.state, self.run_.data.get_state(),
                                self.moe_metrics.aggregator.state_dict(),
-                               {} if self.pilot is None else self.pilot.state_dict())
+                               {} if self.pilot is None else self.pilot.state_dict(),
+                               self.moe_metrics.alerts.state_dict())
 
   def stop_if_nonfinite(self, fetched: int, step: int) -> None:
     """After a fetch through step `fetched`, with steps up to `step` dispatched: once too
@@ -215,7 +218,7 @@ class _Loop:
     raise UserError(
         f"{skipped} steps in a row up to step {fetched} had a non-finite or spiking loss or "
         f"gradient norm (config.max_consecutive_nonfinite={limit}); they changed nothing, and "
-        f"the state is checkpointed at step {step + 1}: check the data "
+        f"the state is checkpointed after step {step} (checkpoints/{step + 1}): check the data "
         f"({_batch_command(self.run_.workdir, fetched)}) and the learning rate, then rerun to "
         "resume.")
 
@@ -292,7 +295,8 @@ class _Loop:
       self.save(step + 1)
       reporter.disturbed()
     if stopping:
-      self.run_.console.line(f"stopping after step {step + 1} with a checkpoint")
+      self.run_.console.line(f"stopping after step {step} with a checkpoint "
+                             f"(checkpoints/{step + 1})")
     return stopping
 
 
@@ -312,11 +316,14 @@ def train_and_evaluate(settings: Settings, workdir: str, stop_after: int | None 
   `Interrupted` once its checkpoint is written (exit status 130).
   """
   run = _setup(settings, workdir)
-  config, restored = settings.config, run.restored
+  config, restored = run.settings.config, run.restored
   if restored is not None and restored.step >= config.train_steps:
-    run.console.line(f"{workdir} is at step {restored.step}, config.train_steps="
-                     f"{config.train_steps}: nothing to train. To train longer, rerun with "
-                     f"--config.train_steps=N, N > {restored.step}.")
+    run.console.line(
+        f"{workdir} has trained steps 0-{restored.step - 1}, config.train_steps="
+        f"{config.train_steps}: nothing to train. To train longer, rerun with "
+        f"--config.train_steps=N (N > {restored.step}); the learning-rate schedule ends at step "
+        f"{config.schedule_steps} (rate 0 after it) unless --config.schedule_steps=N "
+        "re-plans it.")
     run.checkpoints.close()
     return []
   state = run.steps.init(jax.random.key(config.seed)) if restored is None else restored.state
@@ -327,8 +334,9 @@ def train_and_evaluate(settings: Settings, workdir: str, stop_after: int | None 
            _alerts_written(workdir) - alerts_before)
   run.checkpoints.close()
   if loop.stop.interrupted:
-    raise Interrupted(f"stopped by Ctrl-C after step {loop.first + len(loop.reporter.losses)} "
-                      "with a checkpoint; the same command resumes.")
+    raise Interrupted(f"stopped by Ctrl-C after step "
+                      f"{loop.first + len(loop.reporter.losses) - 1} with a checkpoint; the "
+                      "same command resumes.")
   return loop.reporter.losses
 
 
@@ -370,9 +378,12 @@ def _resume(run: _Run, moe_metrics: metrics.MoEMetrics, pilot: autopilot.Autopil
   if restored is not None:
     run.data.set_state(restored.data)
     moe_metrics.aggregator.load_state_dict(restored.moe_metrics)
+    if restored.alerts:
+      moe_metrics.alerts.load_state_dict(restored.alerts)
     if pilot is not None and restored.autopilot:
       pilot.load_state_dict(restored.autopilot)
-    run.console.line(f"resumed from step {restored.step} ({run.checkpoints.directory})")
+    run.console.line(f"resumed from {run.checkpoints.directory}/{restored.step}: the next "
+                     f"step is {restored.step}")
   if pilot is None:
     # Without the autopilot the config's factor is in force, whatever the checkpoint's was.
     moe_metrics.aggregator.evidence.set_factor(
@@ -419,6 +430,7 @@ def _summary(run: _Run, reporter: Reporter, first: int, seconds: float, alerts: 
       f"steps | dropped {totals.dropped_rows} rows | skipped {totals.skipped} non-finite" +
       (f" and {totals.spikes} spiking steps" if run.settings.config.spikes.enabled else " steps"))
   tensorboard = cli.runnable("tensorboard", "--logdir", run.workdir)
+  newest = run.checkpoints.latest_step()
   console.line(f"alerts: {alerts} new in {os.path.join(run.workdir, ALERTS_FILE)} | "
-               f"TensorBoard: {tensorboard} | checkpoints: "
-               f"{run.checkpoints.directory} (step {run.checkpoints.latest_step()})")
+               f"TensorBoard: {tensorboard} | checkpoint: "
+               f"{run.checkpoints.directory}/{newest} (after step {newest - 1})")
