@@ -40,6 +40,10 @@ def test_follows_the_rules_frequency_pick_after_a_full_window():
   for r in required:
     assert c.propose() is None  # a window must pass first
     _steps(c, [r])
+  assert c.evidence.advice.factor == 1.125
+  assert c.propose() is None  # and the factor in force must have been timed
+  c.evidence.add_interval(3.0, 5, 1.5)
+  _steps(c, [1.1])
   decision = c.propose()
   assert decision.factor == 1.125 and decision.reason == "frequency"
   assert decision.evidence["predicted_frequency"] == pytest.approx(0.05)
@@ -66,6 +70,7 @@ def test_raises_at_once_on_a_burst_of_fallbacks_and_not_on_one():
 
 def test_refused_factors_are_skipped_and_the_state_round_trips():
   c = _controller()
+  c.evidence.add_interval(3.0, 5, 1.5)
   _steps(c, [0.8] * WINDOW)
   c.evidence.refused.add(1.0)
   c.evidence.add_step([0.8], False)
@@ -131,6 +136,7 @@ def test_the_likely_move_compiles_while_the_window_fills_and_then_costs_no_compi
   compiles ahead, with no move before the window is full; then the move takes that program,
   and nothing more compiles."""
   c = _controller(factor=3.0)
+  c.evidence.add_interval(3.0, 5, 1.5)  # the factor in force, timed
   compiles = []
   def compile_fn(factor):
     compiles.append(factor)

@@ -6,7 +6,8 @@ every MoE layer, since the layer stack scans identical shapes. `FactorController
 
 * to the factor the rule names, when it is not the factor in force, once a full `window` of
   steps has passed since the last change (the early router transient passes through the
-  window before it can pin a factor). A move between two measured factors is taken only
+  window before it can pin a factor) and the factor in force has been timed (so the rule's
+  answer weighed it; under the 'fallback_frequency' objective there are no times). A move between two measured factors is taken only
   when its compile pays back, at the measured gain, within the steps left; a factor never
   timed has no price yet: its own intervals then price it, and the rule compares it with the
   factors timed before (and only with those).
@@ -125,6 +126,8 @@ class FactorController:
       return None
     rows = {r.factor: r for r in advice.rows}
     new, now = rows[advice.factor], rows.get(self.factor)
+    if self.evidence.priced and (now is None or now.price is None):
+      return None  # the factor in force is timed before the rule's answer can leave it
     if new.price is not None and now is not None and now.price is not None:
       # Both measured: the move must pay back its compile at the measured gain.
       gain = now.price.seconds - new.price.seconds
