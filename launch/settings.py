@@ -30,6 +30,7 @@ from absl import app
 
 import moe_hk
 from launch.errors import UserError, user_errors
+from launch.choices import ATTENTION_IMPLS, DATA_SOURCES, REMAT_POLICIES, SPIKE_MIN_STEPS
 from launch.planning import autopilot
 from moe_hk import mesh as mesh_lib
 
@@ -43,13 +44,6 @@ DERIVED_MOE_FIELDS = ("emb_dim", "dtype", "record_traffic")
 # The layer's host callbacks, which `config.moe_metrics=False` needs off.
 CALLBACK_FIELDS = ("emit_fallback_events", "stream_step_stats")
 
-
-# The values the checked keys may take; the modules that act on them (launch.training's
-# attention, model, data and spikes) take them from here, so settings imports nothing above it.
-ATTENTION_IMPLS = ("auto", "xla", "splash", "cudnn")
-REMAT_POLICIES = ("none", "full", "save_attention_moe", "full_inputs_on_host")
-DATA_SOURCES = ("stdlib", "synthetic", "files", "array_record")
-SPIKE_MIN_STEPS = 4  # applied steps in the spike window before any step is judged
 
 class Settings(NamedTuple):
   """A checked run configuration: the launcher's settings and the MoE layers' config."""

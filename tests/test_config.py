@@ -176,3 +176,11 @@ def test_buffer_rows_formula():
   # The worst case equals N * min(P, E / K).
   for p, t, k, l in [(8, 16, 2, 1), (4, 8, 1, 4), (2, 5, 4, 2), (8, 3, 2, 16)]:
     assert dispatch_plan.worst_case_rows(p, t, k, l) == t * k * min(p, p * l / k)
+
+
+def test_the_checked_choices_are_what_the_code_acts_on():
+  """`launch.choices` lists the values the settings accept; the model's remat policies are
+  exactly those (a policy added to one and not the other fails here)."""
+  from launch import choices
+  from launch.training import model
+  assert tuple(model.REMAT_POLICIES) == choices.REMAT_POLICIES

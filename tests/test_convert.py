@@ -152,7 +152,7 @@ def test_launch_train_continues_the_import(imported, tmp_path, monkeypatch, caps
   monkeypatch.setattr(trainer, "make_steps", _STEPS)
   config = settings_lib.saved(run)
   losses = trainer.train_and_evaluate(settings_of(config), run, stop_after=2)
-  assert "resumed from step 0" in capsys.readouterr().out
+  assert "/checkpoints/0: the next step is 0" in capsys.readouterr().out
   assert len(losses) == 2 and np.all(np.isfinite(losses))
   assert checkpoints.newest_step(run) == 2
 

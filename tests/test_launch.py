@@ -381,7 +381,7 @@ def _two_processes(workdir, *flags, port=None):
   """Processes 0 and 1 of a 2 x 4-device run of the tests' tiny config at FACTOR."""
   port = port or free_port()
   return [launch(workdir, f"--process_id={i}", f"--config.moe.ragged_buffer_factor={FACTOR}",
-                 "--num_processes=2", f"--coordinator_address=127.0.0.1:{port}", *flags,
+                 "--config.autopilot.min_steps=2", "--num_processes=2", f"--coordinator_address=127.0.0.1:{port}", *flags,
                  devices=4) for i in range(2)]
 
 
@@ -923,8 +923,8 @@ def test_nonfinite_router_input_is_counted_skipped_and_stops_the_run(tmp_path, m
   c = run_config(max_consecutive_nonfinite=3, log_every=log_every)
   with pytest.raises(UserError, match=message + r" had a non-finite or spiking loss or "
                                       r"gradient norm \(config.max_consecutive_nonfinite=3\); "
-                                      r"they changed nothing, and the state is checkpointed at "
-                                      r"step 4"):
+                                      r"they changed nothing, and the state is checkpointed "
+                                      r"after step 3 \(checkpoints/4\)"):
     trainer.train_and_evaluate(settings_of(c), str(tmp_path))
   scalars = read_scalars(str(tmp_path))
   assert [scalars["train/skipped_steps"][s] for s in range(4)] == [1, 2, 3, 4]

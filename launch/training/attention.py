@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu import splash_attention as splash
 from jax.sharding import Mesh, PartitionSpec as P
 
-from launch.settings import ATTENTION_IMPLS
+from launch.choices import ATTENTION_IMPLS
 
 # The form 'auto' picks per platform (any other platform gets 'xla'), and where the two kernel
 # forms can run at all.

@@ -39,7 +39,7 @@ import numpy as np
 
 from launch import provenance
 from launch.errors import UserError
-from launch.settings import DATA_SOURCES
+from launch.choices import DATA_SOURCES
 
 # grain is imported only where it is used: `import grain` imports jax whenever jax is installed,
 # and importing this module, or reading the byte sources, should import neither.

@@ -16,7 +16,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from launch.settings import SPIKE_MIN_STEPS
+from launch.choices import SPIKE_MIN_STEPS
 
 MIN_STEPS = SPIKE_MIN_STEPS  # applied steps in the window before any step is judged
 
