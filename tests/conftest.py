@@ -38,8 +38,9 @@ jax.config.update("jax_default_matmul_precision", "highest")
 # worker drains the short tests while one holds the memory guard's compile.
 WORKER_GROUPS = (
     (r"tests/test_memory_guard\.py::", "memory_guard"),
-    # The SIGTERM test shares neither the step cache nor the baseline run: it goes to either.
-    (r"tests/test_launch\.py::(?!test_a_stop_signal_)", "launch"),
+    # The SIGTERM test and the default job's run (another model) share neither the step cache
+    # nor the baseline run: they go to either worker.
+    (r"tests/test_launch\.py::(?!test_a_stop_signal_|test_the_default_jobs_)", "launch"),
     # One worker for both platforms: run side by side, libtpu's compiler threads and XLA:CPU's
     # compile slow each other down more than running one after the other.
     (r"tests/test_fallback_memory\.py::", "fallback_memory"),
