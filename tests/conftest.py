@@ -33,40 +33,51 @@ jax.config.update("jax_default_matmul_precision", "highest")
 # Tests that share a module-level cache or fixture (a compiled program, a trained run) run on
 # one pytest-xdist worker: nodeid pattern -> worker group (`make test` runs two workers).
 # xdist's `xdist_group` marks cannot do it under pytest 9 (xdist renames the nodeid by writing
-# `item._nodeid`, which pytest 9 no longer reads), so the groups are declared here.
+# `item._nodeid`, which pytest 9 no longer reads), so the groups are declared here, longest
+# first: they are handed out in this order (`pytest_collection_modifyitems`), so that the other
+# worker drains the short tests while one holds the memory guard's compile.
 WORKER_GROUPS = (
-    # The SIGTERM test shares neither the step cache nor the baseline run: it goes to either.
-    (r"tests/test_launch\.py::(?!test_a_stop_signal_)", "launch"),
+    (r"tests/test_memory_guard\.py::", "memory_guard"),
+    # The SIGTERM test and the default job's run (another model) share neither the step cache
+    # nor the baseline run: they go to either worker.
+    (r"tests/test_launch\.py::(?!test_a_stop_signal_|test_the_default_jobs_)", "launch"),
     (r"tests/test_convert\.py::", "convert"),  # the imported runs, module fixtures
-    (r"tests/test_metrics_tensorboard\.py::", "metrics_tensorboard"),
     # One worker for both platforms: run side by side, libtpu's compiler threads and XLA:CPU's
     # compile slow each other down more than running one after the other.
     (r"tests/test_fallback_memory\.py::", "fallback_memory"),
     (r"tests/test_tpu_aot\.py::", "tpu_aot"),
-    (r"tests/test_memory_guard\.py::", "memory_guard"),
+    (r"tests/test_metrics_tensorboard\.py::", "metrics_tensorboard"),
     (r"tests/test_adaptive_fallback\.py::.*\b(all_to_all|ring)\]$", r"adaptive_\1"),
     (r"tests/test_step_mode\.py::.*\b(all_to_all|ring)\]$", r"step_mode_\1"),
     (r"tests/test_grouped_matmul\.py::test_expert_mlp_.*-(\w+-\d+)\]$", r"grouped_matmul_\1"),
 )
 
 
+def _group(nodeid: str) -> tuple[int, str | None]:
+  """The WORKER_GROUPS entry of `nodeid`: its index and group name, or (len, None)."""
+  for index, (pattern, group) in enumerate(WORKER_GROUPS):
+    match = re.match(pattern, nodeid)
+    if match:
+      return index, match.expand(group)
+  return len(WORKER_GROUPS), None
+
+
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
   """Load scheduling (each test to the next free worker), except that the tests of one
-  WORKER_GROUPS group go to the same worker, one after another."""
+  WORKER_GROUPS group go to the same worker, one after another, in the order of
+  `pytest_collection_modifyitems` (xdist would hand the groups with the most tests out first)."""
   from xdist.scheduler import LoadScopeScheduling
 
   class GroupScheduling(LoadScopeScheduling):
     def _split_scope(self, nodeid: str) -> str:
-      for pattern, group in WORKER_GROUPS:
-        match = re.match(pattern, nodeid)
-        if match:
-          return match.expand(group)
-      return nodeid
+      return _group(nodeid)[1] or nodeid
+  config.option.loadscopereorder = False
   return GroupScheduling(config, log)
 
 
 def pytest_collection_modifyitems(config, items):
-  """Longest first: the slow tests (and so the worker groups they belong to) are handed out
-  before the quick ones, so that the two workers finish together."""
-  items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+  """Longest first: the worker groups in WORKER_GROUPS order, then the other slow tests, then
+  the quick ones, so that the two workers finish together."""
+  items.sort(key=lambda item: (_group(item.nodeid)[0],
+                               item.get_closest_marker("slow") is None))
