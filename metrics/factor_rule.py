@@ -144,22 +144,30 @@ def advise(required: np.ndarray, *, worst_case: float, rule: Rule = Rule(),
     return answer(None, f"no factor that fits the memory budget falls back on at most "
                   f"{rule.target:.0%} of the last {steps} steps.")
   smallest = covering[0]
+  best, beaten = _measured_below(smallest, rows, rule, current)
+  if best is smallest:
+    return answer(smallest.factor, _frequency_reason(smallest, rule, steps, current),
+                  "frequency" if smallest.price is None else smallest.price.basis)
+  return answer(best.factor, _speed_reason(best, smallest, beaten, rule, steps, current),
+                best.price.basis)
+
+
+def _measured_below(smallest: Row, rows: Sequence[Row], rule: Rule, current: float | None
+                    ) -> tuple[Row, Row | None]:
+  """(the row the rule names, the measured row it beats beyond the noise or None): the
+  fastest measured row below the frequency pick `smallest` that falls back on at most
+  `max_frequency` and fits, unless the measured pick, or else the factor in force, is within
+  the noise of it; `smallest` when no such row was measured."""
   below = [r for r in rows if r.factor < smallest.factor and r.price is not None and r.fits
            and r.fallback_frequency <= rule.max_frequency]
   if not below:
-    return answer(smallest.factor, _frequency_reason(smallest, rule, steps, current),
-                  "frequency")
+    return smallest, None
   best = min(below, key=lambda r: r.price.seconds)
   now = next((r for r in below if current is not None and math.isclose(r.factor, current)), None)
-  kept = smallest if smallest.price is not None else now  # kept within the noise
-  if kept is not None and kept is not best and not _beats(best, kept, rule):
-    best = kept
-  if best is smallest:
-    return answer(smallest.factor, _frequency_reason(smallest, rule, steps, current),
-                  smallest.price.basis)
-  beaten = kept if kept is not None and kept is not best else None
-  return answer(best.factor, _speed_reason(best, smallest, beaten, rule, steps, current),
-                best.price.basis)
+  kept = smallest if smallest.price is not None else now
+  if kept is None:
+    return best, None
+  return (kept, None) if kept is best or not _beats(best, kept, rule) else (best, kept)
 
 
 def _price_at(prices: Mapping[float, Price], factor: float) -> Price | None:
