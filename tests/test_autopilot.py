@@ -239,28 +239,3 @@ def test_program_cache_compiles_in_the_background_within_its_budgets():
     assert cache.compiled == 2
   finally:
     cache.close()
-
-
-def test_program_cache_compiles_in_the_background_within_its_budgets():
-  release, threads = threading.Event(), []
-  def compile_fn(factor):
-    threads.append(threading.current_thread().name)
-    release.wait(10)
-    return autopilot.Program(factor, step=None, memory_bytes=int(factor * 100))
-  cache = autopilot.ProgramCache(compile_fn, budget_bytes=250, max_programs=2)
-  try:
-    assert cache.request(2.0) and cache.ready(2.0) is None  # compiling, training goes on
-    release.set()
-    assert cache.request(3.0)
-    assert not cache.request(1.0)                           # the recompile budget is spent
-    cache.request(2.0)                                      # known: not compiled again
-    for factor in (2.0, 3.0):
-      while cache.ready(factor) is None:
-        threading.Event().wait(0.01)
-    assert cache.fits(cache.ready(2.0)) and not cache.fits(cache.ready(3.0))  # 300 > 250
-    assert threads and all(t.startswith("moe-autopilot") for t in threads)
-    assert cache.compiled == 2
-  finally:
-    cache.close()
-
-

@@ -119,12 +119,16 @@ def test_export_shards_and_keeps_the_dtype(imported, tmp_path):
     np.testing.assert_array_equal(got[name], array.astype(got[name].dtype), err_msg=name)
 
 
+# The train-step tests run one family: a train step's compile is their cost, and the logits
+# tests cover both families' forward.
+ONE_FAMILY = pytest.mark.parametrize("imported", ["qwen3_moe"], indirect=True)
+
+
+@ONE_FAMILY
 def test_finetune_starts_at_transformers_loss(imported):
   """The trainer's checkpoint 0 of an import, trained on the fixture's ids: the first loss is
   the cross-entropy of transformers' logits on that batch, and later steps learn."""
   family, workdir, run_settings = imported
-  if family != "qwen3_moe":
-    pytest.skip("one family's train step is enough (compile time)")
   mesh = moe_hk.make_mesh(**run_settings.mesh)
   steps = _STEPS(run_settings, mesh)
   saver = checkpoints.Checkpoints(workdir, keep=3, every=1)
@@ -141,12 +145,11 @@ def test_finetune_starts_at_transformers_loss(imported):
   assert losses[-1] < losses[0]
 
 
+@ONE_FAMILY
 def test_launch_train_continues_the_import(imported, tmp_path, monkeypatch, capsys):
   """The trainer resumes the import's checkpoint 0 (its data, metrics and autopilot state
   included) with the run's recorded config, trains and checkpoints."""
-  family, workdir, _ = imported
-  if family != "qwen3_moe":
-    pytest.skip("one family's train step is enough (compile time)")
+  _, workdir, _ = imported
   run = str(tmp_path / "run")
   shutil.copytree(workdir, run)
   monkeypatch.setattr(trainer, "make_steps", _STEPS)
