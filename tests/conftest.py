@@ -8,6 +8,7 @@ compiles the tiny train step in 5 s instead of 9 but moves CPU memory figures by
 tests/test_fallback_memory.py measures in a process without it. Subprocesses the tests start
 inherit the flags.
 """
+import gc
 import importlib.metadata
 import os
 import re
@@ -28,6 +29,12 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+# Python's cyclic collector runs every 700 net allocations by default and walks the young
+# objects each time; tracing a program allocates millions (tracers, jaxpr equations), so the
+# workers spent ~8% of their CPU there (test_nonfinite.py + test_fallback.py: 146 -> 134 s of
+# CPU with these thresholds, one process, docs/testing.md). Cycles are still collected.
+gc.set_threshold(100_000, 50, 1000)
 
 
 # Tests that share a module-level cache or fixture (a compiled program, a trained run) run on

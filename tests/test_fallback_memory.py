@@ -3,8 +3,9 @@
 One layer where token buffers dominate (8 shards, top-2, 8 experts, 64 x 512 tokens, emb 1024,
 MLP 2048, factor 2): a value-and-grad step with the fallback must stay within 1.10 x the capped
 step on both, and on the CPU mesh below both the naive unrolled chunk loop and the worst-case
-buffer (the two costliest compiles, which the v5p case skips: the whole Maverick step is
-guarded on v5p in tests/test_memory_guard.py).
+buffer. On v5p this layer compiles the capped step and the adaptive fallback only: the fixed
+chunks' fallback is the memory guard's compile (tests/test_memory_guard.py: the Maverick slice's
+train step, at most 1.01x its capped step), and the v5p compiles are the suite's costliest.
 """
 import functools
 import json
@@ -21,7 +22,7 @@ PLATFORMS = ["cpu", "tpu"]
 # capped path and the rungs (8, 0.16 R), (8, 0.20 R), (8, R / 4)).
 FALLBACKS = ["fallback_scan", "fallback_adaptive"]
 VARIANTS = {"cpu": ("worst_case", "capped", "fallback_unrolled", *FALLBACKS),
-            "tpu": ("capped", *FALLBACKS)}
+            "tpu": ("capped", "fallback_adaptive")}
 
 
 @functools.lru_cache(maxsize=None)
@@ -47,8 +48,9 @@ def test_fallback_memory_below_naive_loop_and_worst_case(variant):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("variant", FALLBACKS)
-@pytest.mark.parametrize("platform", PLATFORMS)
+@pytest.mark.parametrize("platform,variant", [(platform, variant) for platform in PLATFORMS
+                                              for variant in VARIANTS[platform]
+                                              if variant in FALLBACKS])
 def test_fallback_memory_within_ten_percent_of_capped(platform, variant):
   mib = _mib(platform)
   assert mib[variant] <= 1.10 * mib["capped"], mib

@@ -385,38 +385,22 @@ def _two_processes(workdir, *flags, port=None):
                  devices=4) for i in range(2)]
 
 
-@pytest.mark.slow
-def test_two_processes_over_gloo_match_one_process(baseline, tmp_path):
-  """2 processes x 4 CPU devices on loopback (jax.distributed, gloo collectives) train the
-  same 8-device mesh as one process and give the same losses. Five steps on the 8-step
-  baseline's learning-rate schedule (config.schedule_steps=8), so the losses are the
-  baseline's first five, and the baseline's first alerts (step 3) are among them. Process 0
-  alone writes the alerts (the one-process run's, no more) and the console's progress;
-  process 1 prints its platform line and nothing else; neither prints gloo's rank lines."""
-  procs = _two_processes(tmp_path / "two", "--config.train_steps=5",
-                         "--config.schedule_steps=8")
-  outputs = [p.communicate(timeout=600) for p in procs]
-  for p, (_, stderr) in zip(procs, outputs):
-    assert p.returncode == 0, stderr[-3000:]
-  two = read_scalars(str(tmp_path / "two"))["train/loss"]
-  np.testing.assert_allclose([two[s] for s in range(5)], baseline.losses[:5], rtol=1e-5)
-  assert sorted(os.listdir(tmp_path / "two" / "checkpoints"))[-1] == "5"
-  expected = [a for a in _alerts(baseline.workdir, since=True) if a[0] < 5]
-  assert expected and _alerts(tmp_path / "two", since=True) == expected
-  (out0, err0), (out1, err1) = outputs
-  assert "step 4 (5/5) | loss" in out0 and out0.startswith("process 0/2: platform cpu: 8 devices")
-  assert out1.strip() == "process 1/2: platform cpu: 8 devices, 4 local, 2 processes", out1
-  assert "alerts.py" not in err1 and "MoE overflow" not in err1, err1[-2000:]
-  for output in (out0, err0, out1, err1):
-    assert "[Gloo]" not in output
+class LostRun(NamedTuple):
+  """Two processes (2 x 4 CPU devices over gloo) of the 8-step baseline run, process 1 killed
+  after a checkpoint, then both commands run again to the end."""
+  workdir: str
+  status: int                        # process 0's exit status after the kill
+  took: float                        # seconds from the kill to process 0's exit
+  stderr: str                        # process 0's, after the kill
+  saved: int                         # the newest checkpoint when process 0 ended
+  alerts: tuple[list, list]          # alerts.jsonl's lines of the first pair, of the rerun
+  rerun: list[tuple[int, str, str]]  # each rerun process's exit status, stdout, stderr
 
 
-@pytest.mark.slow
-def test_a_lost_process_ends_the_run_in_one_line_and_the_rerun_resumes(baseline, tmp_path):
-  """kill -9 of process 1 after a checkpoint: process 0 ends within the heartbeat timeout (5 s
-  here) and a margin, exit status 1, one line naming the lost process and the newest
-  checkpoint; the same two commands resume from it, with the uninterrupted run's losses."""
-  workdir = tmp_path / "lost"
+@pytest.fixture(scope="module")
+def lost_run(tmp_path_factory) -> LostRun:
+  """The two-process run the gloo and lost-process tests read (one run: four compiles)."""
+  workdir = tmp_path_factory.mktemp("lost")
   flags = ("--config.train_steps=8", "--config.checkpoint_every=2",
            "--config.heartbeat_timeout_s=5")
   first = _two_processes(workdir, *flags)
@@ -427,18 +411,55 @@ def test_a_lost_process_ends_the_run_in_one_line_and_the_rerun_resumes(baseline,
   took = time.time() - lost_at
   first[1].communicate()
   saved = max(int(s) for s in os.listdir(workdir / "checkpoints") if s.isdigit())
-  assert first[0].returncode == 1 and took < 5 + 40, (first[0].returncode, took, stderr[-2000:])
+  before = _alerts(workdir, since=True)
+  again = _two_processes(workdir, *flags)
+  outputs = [p.communicate(timeout=600) for p in again]
+  rerun = [(p.returncode, out, err) for p, (out, err) in zip(again, outputs)]
+  return LostRun(str(workdir), first[0].returncode, took, stderr, saved,
+                 (before, _alerts(workdir, since=True)[len(before):]), rerun)
+
+
+@pytest.mark.slow
+def test_two_processes_over_gloo_match_one_process(baseline, lost_run):
+  """2 processes x 4 CPU devices on loopback (jax.distributed, gloo collectives) train the
+  same 8-device mesh as one process and give the same losses: the run below, resumed after
+  losing a process, against the 8-step baseline. Process 0 alone writes the alerts (the
+  one-process run's, no more: the first pair's before its newest checkpoint, the rerun's
+  from it on) and the console's progress; process 1 prints its platform line and nothing
+  else; neither prints gloo's rank lines."""
+  for status, _, stderr in lost_run.rerun:
+    assert status == 0, stderr[-3000:]
+  losses = read_scalars(lost_run.workdir)["train/loss"]
+  np.testing.assert_allclose([losses[s] for s in range(8)], baseline.losses, rtol=1e-5)
+  expected = _alerts(baseline.workdir, since=True)
+  first, rerun = lost_run.alerts
+  saved = lost_run.saved
+  assert expected and [a for a in first if a[0] < saved] == [a for a in expected if a[0] < saved]
+  assert rerun == [a for a in expected if a[0] >= saved]
+  (_, out0, err0), (_, out1, err1) = lost_run.rerun
+  assert "step 7 (8/8) | loss" in out0 and out0.startswith("process 0/2: platform cpu: 8 devices")
+  assert out1.strip() == "process 1/2: platform cpu: 8 devices, 4 local, 2 processes", out1
+  assert "alerts.py" not in err1 and "MoE overflow" not in err1, err1[-2000:]
+  for output in (out0, err0, out1, err1, lost_run.stderr):
+    assert "[Gloo]" not in output
+
+
+@pytest.mark.slow
+def test_a_lost_process_ends_the_run_in_one_line_and_the_rerun_resumes(lost_run):
+  """kill -9 of process 1 after a checkpoint: process 0 ends within the heartbeat timeout (5 s
+  here) and a margin, exit status 1, one line naming the lost process and the newest
+  checkpoint; the same two commands resume from it (their losses: the test above)."""
+  saved, stderr = lost_run.saved, lost_run.stderr
+  assert lost_run.status == 1 and lost_run.took < 5 + 40, (lost_run.status, lost_run.took,
+                                                           stderr[-2000:])
   assert stderr.splitlines()[-1] == (
       f"launch.train: error: process 1 of 2 stopped answering (no heartbeat for "
-      f"config.heartbeat_timeout_s=5 s); the newest checkpoint is {workdir}/checkpoints/{saved} "
-      f"(after step {saved - 1}): rerun every process's command to resume from it.")
+      f"config.heartbeat_timeout_s=5 s); the newest checkpoint is {lost_run.workdir}/checkpoints/"
+      f"{saved} (after step {saved - 1}): rerun every process's command to resume from it.")
   assert "Traceback" not in stderr and "Check failure" not in stderr
-  again = _two_processes(workdir, *flags)
-  for p in again:
-    _, err = p.communicate(timeout=600)
-    assert p.returncode == 0, err[-3000:]
-  losses = read_scalars(str(workdir))["train/loss"]
-  np.testing.assert_allclose([losses[s] for s in range(8)], baseline.losses, rtol=1e-5)
+  assert [status for status, _, _ in lost_run.rerun] == [0, 0]
+  assert sorted(int(s) for s in os.listdir(os.path.join(lost_run.workdir, "checkpoints"))
+                if s.isdigit())[-1] == 8
 
 
 # Bad values: the message each check gives, in this process (the two command-line cases below
