@@ -9,9 +9,8 @@ Its bytes per chip must match the committed baseline of the installed jax
 (`benchmarks/results/aot_maverick_slice_v5p-256_jax<V>.json`) within 0.5% and be at most
 1.01x the baseline's capped step (this is also the suite's v5p check of the fixed-chunk
 fallback: tests/test_fallback_memory.py compiles only the adaptive one for v5p). The capped step
-is not compiled here: one compile is what
-the suite's 10-minute budget holds (each takes about 4 minutes of one core; docs/testing.md
-says where they go). A change that moves the figures on purpose regenerates the baseline with
+is not compiled here: one compile is what the suite's 10-minute budget holds (each takes about
+4 minutes of one core; docs/testing.md says where they go). A change that moves the figures on purpose regenerates the baseline with
 the command the JSON records.
 """
 import json
