@@ -422,7 +422,7 @@ def lost_run(tmp_path_factory) -> LostRun:
 @pytest.mark.slow
 def test_two_processes_over_gloo_match_one_process(baseline, lost_run):
   """2 processes x 4 CPU devices on loopback (jax.distributed, gloo collectives) train the
-  same 8-device mesh as one process and give the same losses: the run below, resumed after
+  same 8-device mesh as one process and give the same losses: `lost_run`, resumed after
   losing a process, against the 8-step baseline. Process 0 alone writes the alerts (the
   one-process run's, no more: the first pair's before its newest checkpoint, the rerun's
   from it on) and the console's progress; process 1 prints its platform line and nothing
