@@ -38,7 +38,7 @@ def get_config() -> ml_collections.ConfigDict:
   # 32 fallback chunks of 1,024 tokens (a chunk's worst case is 1/4 of the capped buffer)
   # rather than the fewest that fit (8, each the capped buffer's size): the TPU compiler does
   # not overlap the chunk's buffers with the capped path's, so smaller chunks cost less on top
-  # of the capped step (docs/aot-memory.md has the figures per chunk count).
+  # of the capped step (docs/aot-memory.md, 'What sets it').
   c.moe.dropless_fallback_num_chunks = 32
   # jax's Pallas TPU grouped matmul: its backward reads the experts' weights transposed in
   # place, where XLA's ragged_dot copied all three [8, 5120, 8192] stacks into another layout
