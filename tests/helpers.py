@@ -65,21 +65,24 @@ LAYER_CONFIGS = [dict(ragged_buffer_factor=0.5, moe_dropless_fallback="layer"),
                  dict(ragged_buffer_factor=-1)]
 
 
-# The child pins itself (a preexec_fn could deadlock a threaded parent).
-_ON_ONE_CORE = ("import os, runpy, sys; os.sched_setaffinity(0, {max(os.sched_getaffinity(0))});"
-                " sys.argv = sys.argv[1:]; runpy.run_module(sys.argv[0], run_name='__main__')")
+# The child pins itself (a preexec_fn could deadlock a threaded parent): argv[1] indexes the
+# parent's cores in order.
+_ON_ONE_CORE = ("import os, runpy, sys; cores = sorted(os.sched_getaffinity(0));"
+                " os.sched_setaffinity(0, {cores[int(sys.argv[1])]}); sys.argv = sys.argv[2:];"
+                " runpy.run_module(sys.argv[0], run_name='__main__')")
 
 
-def run_module(argv: list[str], one_core: bool = False) -> str:
+def run_module(argv: list[str], core: int | None = None) -> str:
   """Runs `python -m argv[0] argv[1:]` in a child as users run it; returns its stdout.
 
   The child runs without the suite's legacy-emitter flag, which moves CPU memory figures
-  (tests/conftest.py). `one_core` pins it to one core, for TPU compiles: libtpu's compiler
-  threads then use 14% less CPU (at 1.5x the wall time), and the suite, which keeps both
-  cores busy, is bound by CPU (docs/testing.md)."""
+  (tests/conftest.py). `core` pins it to one of this process's cores (an index into them in
+  order, -1 the last), for TPU compiles: libtpu's compiler threads then use 14% less CPU (at
+  1.5x the wall time), and the suite, which keeps both cores busy, is bound by CPU
+  (docs/testing.md). The two v5p compiles take different cores, so that they run side by side."""
   flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
            if not f.startswith("--xla_cpu_use_fusion_emitters")]
-  run = ["-c", _ON_ONE_CORE] if one_core else ["-m"]
+  run = ["-m"] if core is None else ["-c", _ON_ONE_CORE, str(core)]
   done = subprocess.run([sys.executable, *run, *argv], cwd=ROOT, capture_output=True,
                         text=True, check=False, env=dict(os.environ, XLA_FLAGS=" ".join(flags)))
   assert done.returncode == 0, f"exit status {done.returncode}:\n{done.stderr[-3000:]}"

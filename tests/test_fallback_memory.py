@@ -33,7 +33,7 @@ def _mib(platform: str) -> dict:
     require_libtpu()
   out = run_module(["benchmarks.fallback_memory", f"--platforms={platform}", "--layers=0",
                     f"--variants={','.join(VARIANTS[platform])}", "--results="],
-                   one_core=platform == "tpu")
+                   core=0 if platform == "tpu" else None)  # the guard's compile takes -1
   report, _ = json.JSONDecoder().raw_decode(out)
   (row,) = report["rows"]
   return row["MiB"]

@@ -10,8 +10,8 @@ Its bytes per chip must match the committed baseline of the installed jax
 1.01x the baseline's capped step (this is also the suite's v5p check of the fixed-chunk
 fallback: tests/test_fallback_memory.py compiles only the adaptive one for v5p). The capped step
 is not compiled here: one compile is what the suite's 10-minute budget holds (each takes about
-4 minutes of one core; docs/testing.md says where they go). A change that moves the figures on purpose regenerates the baseline with
-the command the JSON records.
+5 minutes of one core; docs/testing.md says where they go). A change that moves the figures on
+purpose regenerates the baseline with the command the JSON records.
 """
 import json
 import os
@@ -38,7 +38,7 @@ def fallback() -> int:
   """Bytes per device of the fallback_scan train step, from `python -m launch.aot` (once for
   the module, its tests on one worker: tests/conftest.py WORKER_GROUPS)."""
   require_libtpu()
-  out = run_module(COMMAND + ["--variants=fallback_scan", "--results="], one_core=True)
+  out = run_module(COMMAND + ["--variants=fallback_scan", "--results="], core=-1)
   report, _ = json.JSONDecoder().raw_decode(out)
   return _bytes(report)["fallback_scan"]
 
