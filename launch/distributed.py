@@ -8,11 +8,15 @@ publishes a counter in the service's key-value store every second, and a process
 counter has not moved for `heartbeat_timeout_s` (or a service that stops answering: process 0
 holds it) is lost; the watchdog then calls `on_lost`, which ends the process with one line.
 jax's own heartbeat timeout is set well beyond it. A collective that fails first (gloo sees
-the closed connection at once) waits for the watchdog's verdict (`Watchdog.settle`).
+the closed connection at once) waits for the watchdog's verdict (`Watchdog.settle`); so does an
+abort from a native thread (`Watchdog.catch_aborts`).
 """
 from __future__ import annotations
 
+import ctypes
+import faulthandler
 import os
+import signal
 import sys
 import threading
 import time
@@ -23,6 +27,7 @@ from absl import app, logging
 from jax._src import distributed as jax_distributed
 
 _KEY = "moe_hk/heartbeat/{}"
+_SIGNAL_HANDLER = ctypes.CFUNCTYPE(None, ctypes.c_int)
 
 
 def jax_heartbeat_timeout_s(heartbeat_timeout_s: int) -> int:
@@ -81,6 +86,28 @@ class Watchdog:
     before its heartbeat is missed. Returns when every process still answers."""
     time.sleep(self.timeout_s + 2 * self.period_s)
 
+  def catch_aborts(self) -> "Watchdog":
+    """Makes SIGABRT wait for the watchdog's verdict too. gloo's TCP thread can throw past
+    every caller when a peer's connection closes under it (`terminate`, then `abort`, about
+    0.1 s after the peer died and long before its heartbeat is missed). The handler runs in
+    the aborting thread, which holds no Python lock: it settles (the watchdog then ends the
+    process with its one line); with every process still answering, it prints the threads'
+    tracebacks (faulthandler's, which it replaces) and the abort goes on. A C-level handler
+    through ctypes: a Python one (`signal.signal`) would only run after `abort` has ended the
+    process."""
+    libc = ctypes.CDLL(None)
+    libc.signal.restype = ctypes.c_void_p
+    libc.signal.argtypes = (ctypes.c_int, ctypes.c_void_p)
+
+    def on_abort(signum: int) -> None:
+      libc.signal(signum, None)  # SIG_DFL: a second abort, or this one going on, ends it
+      self.settle()
+      faulthandler.dump_traceback(all_threads=True)
+
+    self._on_abort = _SIGNAL_HANDLER(on_abort)  # the handler lives as long as the watchdog
+    libc.signal(signal.SIGABRT, ctypes.cast(self._on_abort, ctypes.c_void_p))
+    return self
+
   def check(self, now: float) -> list[int]:
     """Publishes this process's heartbeat and reads the others'; returns the processes lost
     by `now` (process 0 when the service, which process 0 holds, stopped answering)."""
@@ -109,12 +136,14 @@ class Watchdog:
 
 
 def watch(timeout_s: float, on_lost: Callable[[list[int]], None]) -> Watchdog | None:
-  """Starts this process's `Watchdog` when the run has several processes (None otherwise).
+  """Starts this process's `Watchdog`, aborts caught, when the run has several processes
+  (None otherwise).
   The service's client is jax's own (`jax._src.distributed`: jax exposes no key-value API)."""
   if jax.process_count() == 1:
     return None
   client = jax_distributed.global_state.client  # noqa: SLF001
-  return Watchdog(client, jax.process_index(), jax.process_count(), timeout_s, on_lost).start()
+  return Watchdog(client, jax.process_index(), jax.process_count(), timeout_s,
+                  on_lost).start().catch_aborts()
 
 
 def quiet_native_stdout() -> None:

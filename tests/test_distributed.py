@@ -1,8 +1,14 @@
 """`launch.distributed`: when `launch.train` starts `jax.distributed`, and with what."""
+import signal
+import subprocess
+import sys
+import time
+
 import pytest
 from absl import app
 
 from launch.distributed import Watchdog, initialize_distributed, jax_heartbeat_timeout_s
+from tests.helpers import ROOT
 
 
 class _Recorder:
@@ -104,3 +110,41 @@ def test_a_lost_coordinator_is_process_0():
 
 def test_jax_waits_longer_than_the_watchdog():
   assert jax_heartbeat_timeout_s(5) > 2 * 5 and jax_heartbeat_timeout_s(100) > 2 * 100
+
+
+_ABORTING_PROCESS = """
+import ctypes, itertools, os, sys, threading, time
+from launch.distributed import Watchdog
+
+class Store:  # the peer, process 1, beats ({beats}) or has stopped
+  beats = itertools.count()
+  def key_value_set(self, key, value, allow_overwrite=False): pass
+  def key_value_try_get(self, key): return str(next(self.beats) if {beats} else 0)
+
+def lost(processes):
+  sys.stderr.write(f"lost {{processes}}\\n"); sys.stderr.flush(); os._exit(1)
+
+Watchdog(Store(), 0, 2, timeout_s=1.0, on_lost=lost, period_s=0.1).start().catch_aborts()
+# A thread outside Python's locks aborts, as gloo's does (ctypes releases the GIL for the call).
+threading.Thread(target=ctypes.CDLL(None).abort, name="native").start()
+time.sleep(30)
+"""
+
+
+@pytest.mark.parametrize("beats", [False, True])
+def test_an_abort_waits_for_the_watchdogs_verdict(beats):
+  """A native thread that aborts (gloo's, after a peer's connection closed) does not end the
+  process before the watchdog: with process 1 silent, the watchdog's one line and its exit
+  status 1 come within the timeout and a period or two; with process 1 still beating, the
+  abort goes on (SIGABRT) after that wait, with the threads' tracebacks."""
+  start = time.monotonic()
+  child = subprocess.run([sys.executable, "-c", _ABORTING_PROCESS.format(beats=beats)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=60)
+  took = time.monotonic() - start
+  if beats:
+    assert child.returncode == -signal.SIGABRT, (child.returncode, child.stderr[-2000:])
+    assert "most recent call first" in child.stderr and "lost" not in child.stderr
+  else:
+    assert child.returncode == 1 and child.stderr.splitlines()[-1] == "lost [1]", (
+        child.returncode, child.stderr[-2000:])
+  assert took < 20, took
