@@ -5,6 +5,7 @@ import glob
 import logging
 import os
 import sys
+import threading
 import time
 
 import jax
@@ -14,6 +15,7 @@ import pytest
 from absl.testing import absltest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from launch.errors import UserError
 from launch.training import checkpoints as checkpoints_lib
 
 
@@ -113,3 +115,28 @@ def test_asyncio_reports_of_late_reads_are_dropped_and_no_others(tmp_path):
   assert not passes("Task was destroyed but it is pending!")
   assert passes(late.replace(folder, str(tmp_path / "elsewhere")))
   assert passes("Exception in callback Handle._run()")
+
+
+def test_a_failed_saves_late_writes_are_removed_too(tmp_path):
+  """orbax raises at a save's first failed write while its other writes go on: one that
+  creates its file (and folders) after the failed save's temporary folder was removed must
+  not leave that folder behind (a rerun would find it beside the intact checkpoints)."""
+  saver = checkpoints_lib.Checkpoints(str(tmp_path), keep=3, every=1)
+  partial = tmp_path / "checkpoints" / "8.orbax-checkpoint-tmp"
+
+  def late_write():
+    time.sleep(0.1)  # after the first removal, as a write still in flight lands
+    os.makedirs(partial / "d", exist_ok=True)
+    (partial / "d" / "late").write_bytes(b"\0")
+
+  def failing_save():
+    os.makedirs(partial / "d")
+    threading.Thread(target=late_write).start()
+    raise OSError(28, "No space left on device")
+  try:
+    with pytest.raises(UserError, match=r"failed \(.*No space left on device.*\); none was "
+                                        r"written"):
+      saver._guarded(failing_save)
+  finally:
+    saver.close()
+  assert os.listdir(tmp_path / "checkpoints") == []

@@ -18,6 +18,7 @@ import logging as logging_lib
 import os
 import shutil
 import sys
+import time
 from typing import Any, NamedTuple
 
 import jax
@@ -141,9 +142,7 @@ class Checkpoints:
       write()
     except Exception as e:  # tensorstore and orbax wrap the OS error in their own types
       if jax.process_index() == 0:
-        for name in os.listdir(self.directory):
-          if _PARTIAL in name:  # the failed save's: never renamed to its step
-            shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+        self._remove_partial()
       intact = [s for s in self._manager.all_steps()
                 if os.path.isdir(os.path.join(self.directory, str(s)))]
       newest = (f"checkpoints/{max(intact)} is the newest intact one" if intact else
@@ -151,6 +150,20 @@ class Checkpoints:
       raise UserError(f"writing a checkpoint to {self.directory} failed ({_reason(e)}); "
                       f"{newest}: free space or fix the folder's permissions, then rerun to "
                       "resume.") from None
+
+  def _remove_partial(self, attempts: int = 20, pause_s: float = 0.25) -> None:
+    """Removes the failed save's temporary folders (never renamed to a step). orbax raises at
+    the first failed write while the save's other writes may still be creating files, and a
+    file created after `rmtree` listed its folder leaves the folder behind: removal is
+    retried until the folders stay gone."""
+    for _ in range(attempts):
+      partial = [os.path.join(self.directory, name) for name in os.listdir(self.directory)
+                 if _PARTIAL in name]
+      if not partial:
+        return
+      for path in partial:
+        shutil.rmtree(path, ignore_errors=True)
+      time.sleep(pause_s)
 
   def restore(self, abstract_state) -> Restored | None:
     """The newest checkpoint that reads (None when there is none); `abstract_state` gives the
