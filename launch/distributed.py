@@ -75,6 +75,8 @@ class Watchdog:
     self._seen = {p: (None, now) for p in range(processes) if p != process}
     self._beat = 0
     self._answered = now  # when the service last answered
+    self._stopped = threading.Event()
+    self._libc, self._on_abort, self._previous_abort = None, None, None
 
   def start(self) -> "Watchdog":
     threading.Thread(target=self._run, name="moe-hk-watchdog", daemon=True).start()
@@ -104,9 +106,20 @@ class Watchdog:
       self.settle()
       faulthandler.dump_traceback(all_threads=True)
 
-    self._on_abort = _SIGNAL_HANDLER(on_abort)  # the handler lives as long as the watchdog
-    libc.signal(signal.SIGABRT, ctypes.cast(self._on_abort, ctypes.c_void_p))
+    self._libc, self._on_abort = libc, _SIGNAL_HANDLER(on_abort)  # alive until `stop`
+    self._previous_abort = libc.signal(signal.SIGABRT,
+                                       ctypes.cast(self._on_abort, ctypes.c_void_p))
     return self
+
+  def stop(self) -> None:
+    """Ends the watch once the run's work is done (a peer that finished and exited is not
+    lost) and gives SIGABRT back to its previous handler: `catch_aborts`' handler runs Python,
+    which an interpreter that is exiting no longer runs (an abort from gloo's teardown then
+    crashed the process instead of aborting it)."""
+    self._stopped.set()
+    if self._on_abort is not None:
+      self._libc.signal(signal.SIGABRT, self._previous_abort)
+      self._on_abort = None
 
   def check(self, now: float) -> list[int]:
     """Publishes this process's heartbeat and reads the others'; returns the processes lost
@@ -127,12 +140,11 @@ class Watchdog:
     return [p for p, (_, since) in self._seen.items() if now - since > self.timeout_s]
 
   def _run(self) -> None:
-    while True:
+    while not self._stopped.wait(self.period_s):
       lost = self.check(time.monotonic())
-      if lost:
+      if lost and not self._stopped.is_set():
         self.on_lost(lost)
         return
-      time.sleep(self.period_s)
 
 
 def watch(timeout_s: float, on_lost: Callable[[list[int]], None]) -> Watchdog | None:

@@ -94,6 +94,9 @@ def main(argv):
     if watchdog:  # a peer that died fails the collective before its heartbeat is missed
       watchdog.settle()
     raise
+  finally:
+    if watchdog:
+      watchdog.stop()
 
 
 if __name__ == "__main__":

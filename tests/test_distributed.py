@@ -124,11 +124,24 @@ class Store:  # the peer, process 1, beats ({beats}) or has stopped
 def lost(processes):
   sys.stderr.write(f"lost {{processes}}\\n"); sys.stderr.flush(); os._exit(1)
 
-Watchdog(Store(), 0, 2, timeout_s=1.0, on_lost=lost, period_s=0.1).start().catch_aborts()
+watchdog = Watchdog(Store(), 0, 2, timeout_s=1.0, on_lost=lost, period_s=0.1).start()
+watchdog.catch_aborts()
+if {stopped}:  # the run's work is done
+  watchdog.stop()
 # A thread outside Python's locks aborts, as gloo's does (ctypes releases the GIL for the call).
 threading.Thread(target=ctypes.CDLL(None).abort, name="native").start()
 time.sleep(30)
 """
+
+
+def _aborting_process(beats: bool, stopped: bool = False) -> tuple[subprocess.CompletedProcess,
+                                                                    float]:
+  """The child above, and the seconds it took."""
+  start = time.monotonic()
+  child = subprocess.run(
+      [sys.executable, "-c", _ABORTING_PROCESS.format(beats=beats, stopped=stopped)],
+      cwd=ROOT, capture_output=True, text=True, timeout=60)
+  return child, time.monotonic() - start
 
 
 @pytest.mark.parametrize("beats", [False, True])
@@ -137,10 +150,7 @@ def test_an_abort_waits_for_the_watchdogs_verdict(beats):
   process before the watchdog: with process 1 silent, the watchdog's one line and its exit
   status 1 end it; with process 1 still beating, the abort goes on (SIGABRT) after that wait
   (about a second here, not the child's 30 s sleep), with the threads' tracebacks."""
-  start = time.monotonic()
-  child = subprocess.run([sys.executable, "-c", _ABORTING_PROCESS.format(beats=beats)],
-                         cwd=ROOT, capture_output=True, text=True, timeout=60)
-  took = time.monotonic() - start
+  child, took = _aborting_process(beats)
   if beats:
     assert child.returncode == -signal.SIGABRT, (child.returncode, child.stderr[-2000:])
     assert "most recent call first" in child.stderr and "lost" not in child.stderr
@@ -148,3 +158,12 @@ def test_an_abort_waits_for_the_watchdogs_verdict(beats):
     assert child.returncode == 1 and child.stderr.splitlines()[-1] == "lost [1]", (
         child.returncode, child.stderr[-2000:])
   assert took < 20, took
+
+
+def test_a_stopped_watchdog_judges_nothing_and_leaves_aborts_alone():
+  """Once the run's work is done (`stop`), a silent peer (one that finished and exited) is
+  not lost, and an abort (gloo's teardown) is SIGABRT at once: no verdict, no tracebacks
+  from the handler, which runs Python an exiting interpreter no longer runs."""
+  child, _ = _aborting_process(beats=False, stopped=True)
+  assert child.returncode == -signal.SIGABRT, (child.returncode, child.stderr[-2000:])
+  assert "lost" not in child.stderr and "most recent call first" not in child.stderr
