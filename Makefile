@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed-$(PYVER)
 # Tests that share a module-level cache or fixture run on one worker (tests/conftest.py).
 PYTEST := $(VENV)/bin/python -m pytest -n 2 --dist loadgroup -rs --durations=20
 
-.PHONY: install test test-fast train demo clean
+.PHONY: install test test-fast test-memory train demo clean
 
 install: $(STAMP)
 
@@ -31,6 +31,12 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(VENV)/bin/lint-imports
 	$(PYTEST) -m "not slow" tests
+
+# The Maverick memory guard (tests/test_memory_guard.py) on this Python's jax, against that
+# jax's committed baseline: `make test` runs it on the jax 0.10.2 lane only;
+# `PYENV_VERSION=3.12.1 make test-memory VENV=.venv-3.12` checks jax 0.12's compiler.
+test-memory: $(STAMP)
+	MOE_HK_MEMORY_GUARD=1 $(VENV)/bin/python -m pytest -rs tests/test_memory_guard.py
 
 # The main job: trains the default MoE transformer on 8 simulated CPU devices (resumes if
 # workdir/default holds a run).
