@@ -23,8 +23,10 @@ import time
 from typing import Callable
 
 import jax
-from absl import app, logging
+from absl import app
 from jax._src import distributed as jax_distributed
+
+from launch import errors
 
 _KEY = "moe_hk/heartbeat/{}"
 _SIGNAL_HANDLER = ctypes.CFUNCTYPE(None, ctypes.c_int)
@@ -58,8 +60,37 @@ def initialize_distributed(coordinator: str | None, num_processes: int | None,
   elif platforms != "cpu":
     try:
       initialize(**timeout)
-    except ValueError as e:  # no cluster environment found: one process
-      logging.info("jax.distributed not initialised (%s): running as a single process.", e)
+    except Exception as e:  # noqa: BLE001  (detection may fail any way: see `_detection_failed`)
+      _detection_failed(e, cluster_variables(os.environ))
+
+
+# Variables a multi-host launcher sets (Cloud TPU on GKE, multislice, SLURM, Open MPI): with one
+# of them present, a failed detection is a failed multi-host launch, not a lone host.
+_CLUSTER_VARIABLES = ("TPU_WORKER_HOSTNAMES", "TPU_PROCESS_ADDRESSES",
+                      "MEGASCALE_COORDINATOR_ADDRESS", "MEGASCALE_NUM_SLICES", "SLURM_JOB_ID",
+                      "OMPI_COMM_WORLD_SIZE", "OMPI_MCA_orte_hnp_uri")
+
+
+def cluster_variables(environ) -> list[str]:
+  """The names of `_CLUSTER_VARIABLES` set in `environ`."""
+  return [name for name in _CLUSTER_VARIABLES if environ.get(name)]
+
+
+def _detection_failed(error: Exception, variables: list[str]) -> None:
+  """jax found no cluster, or its detection itself failed: on a host that no launcher set
+  variables for, one process and one line saying so; otherwise one line naming the flags.
+
+  jax raises ValueError when no cluster is detected, but its Cloud TPU detection asks the
+  VM's metadata server first, and a TPU host without one (a lent chip, a container) gets the
+  HTTP client's connection error instead, as any other host would that cannot reach it."""
+  cause = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+  if variables:
+    raise errors.UserError(
+        f"this host has a cluster launcher's variables ({', '.join(variables)}) but jax could "
+        f"not detect the cluster from them ({cause[:200]}); pass --coordinator_address=HOST:PORT "
+        "--num_processes=N --process_id=I on every host.")
+  print("jax.distributed: no cluster environment on this host "
+        f"({cause[:120]}): running as one process.", flush=True)
 
 
 class Watchdog:

@@ -7,6 +7,7 @@ import time
 import pytest
 from absl import app
 
+from launch import distributed, errors
 from launch.distributed import Watchdog, initialize_distributed, jax_heartbeat_timeout_s
 from tests.helpers import ROOT
 
@@ -40,10 +41,29 @@ def test_accelerator_runs_auto_detect_the_cluster(platforms):
   assert init.calls == [()]
 
 
-def test_no_cluster_found_stays_one_process():
-  init = _Recorder(ValueError("coordinator_address should be defined."))
+@pytest.mark.parametrize("error", [
+    ValueError("coordinator_address should be defined."),  # jax detected no cluster
+    # A TPU host without a metadata server: jax's Cloud TPU detection asks it first (requests).
+    ConnectionError("HTTPConnectionPool(host='metadata.google.internal', port=80): Max "
+                    "retries exceeded\n(a second line)"),
+])
+def test_no_cluster_found_stays_one_process_in_one_line(error, monkeypatch, capsys):
+  for name in distributed._CLUSTER_VARIABLES:
+    monkeypatch.delenv(name, raising=False)
+  init = _Recorder(error)
   initialize_distributed(None, None, None, "tpu", initialize=init)  # does not raise
   assert init.calls == [()]
+  out = capsys.readouterr().out
+  assert out.count("\n") == 1 and "running as one process" in out, out
+  assert type(error).__name__ in out, out
+
+
+def test_a_cluster_whose_detection_fails_names_the_flags(monkeypatch):
+  monkeypatch.setenv("TPU_WORKER_HOSTNAMES", "host-0,host-1")
+  init = _Recorder(ConnectionError("metadata.google.internal unreachable"))
+  with pytest.raises(errors.UserError, match=r"variables \(TPU_WORKER_HOSTNAMES\).*pass "
+                     r"--coordinator_address=HOST:PORT --num_processes=N --process_id=I"):
+    initialize_distributed(None, None, None, "tpu", initialize=init)
 
 
 def test_cpu_without_flags_does_not_initialise():
