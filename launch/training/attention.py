@@ -112,19 +112,31 @@ def splash_block_sizes(seq: int) -> splash.BlockSizes:
                            block_q_dq=block, block_kv_dq=block)
 
 
-def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, mesh: Mesh,
-                     interpret: bool = False) -> jax.Array:
+def splash_kernel(seq: int, heads: int, interpret: bool) -> splash.SplashAttentionKernel:
+  """The causal MQA splash kernel for `heads` query heads of length `seq` (one key/value
+  head), in Pallas interpret mode when `interpret`.
+
+  Built with every array it holds concrete: the kernel converts its block masks with
+  `jnp.array`, which inside a transform (the layer group's remat, the scan over groups)
+  stages them into that trace, and a kernel holding another trace's values fails the step
+  with an UnexpectedTracerError (its custom_vjp, and ours, close over them).
+  """
+  mask = splash.MultiHeadMask([splash.CausalMask((seq, seq))] * heads)
+  with jax.ensure_compile_time_eval():
+    return splash.make_splash_mqa_single_device(mask, block_sizes=splash_block_sizes(seq),
+                                                interpret=interpret)
+
+
+def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, mesh: Mesh) -> jax.Array:
   """Splash form: `q [B, S, G, R, Dh]`, `k, v [B, S, G, Dh]` -> like q, B sharded over `mesh`.
 
   Runs in shard_map because Mosaic kernels cannot be partitioned automatically (and so that
   TPU programs AOT-compile from a CPU host). Each shard runs one MQA kernel per example and
-  key/value head: `[R, S, Dh]` queries against `[S, Dh]` keys and values. `interpret` runs
-  the kernel in Pallas interpret mode (any backend; for tests).
+  key/value head: `[R, S, Dh]` queries against `[S, Dh]` keys and values. On a mesh of
+  other devices than TPUs the kernel runs in Pallas interpret mode (the tests' CPU meshes).
   """
   seq, _, per_group, head_dim = q.shape[1:]
-  mask = splash.MultiHeadMask([splash.CausalMask((seq, seq))] * per_group)
-  kernel = splash.make_splash_mqa_single_device(mask, block_sizes=splash_block_sizes(seq),
-                                                interpret=interpret)
+  kernel = splash_kernel(seq, per_group, interpret=mesh.devices.flat[0].platform != "tpu")
   # The kernel does not scale scores. Scaling q (in its dtype) touches [.., S, Dh], not the
   # [.., S, S] scores the XLA form scales in float32.
   q = q / math.sqrt(head_dim)
