@@ -116,8 +116,10 @@ class AlertManager:
     """Rule -> layers it concerns, for the rules that hold at this step."""
     layers = m.layers.items()
     near = self.config.near_worst_fraction * self.worst_case_factor
+    # With one expert shard (or top-k over all experts) the worst case is the balanced load:
+    # every step is "near" it, and it says nothing of the router.
     self._near_worst = {i: self._near_worst.get(i, 0) + 1 for i, r in layers
-                        if r.required_factor >= near}
+                        if self.worst_case_factor > 1 and r.required_factor >= near}
     held = {
         "fallback_ran": [i for i, r in layers if r.fallback],
         "rows_dropped": [i for i, r in layers if r.dropped_rows > 0],
@@ -234,8 +236,9 @@ class AlertManager:
     }[rule]
     hotspots = [{"layer": i, "receivers": m.layers[i].overflowing_receivers,
                  "hot_experts": m.layers[i].hottest_experts(3)} for i in layers]
-    where = "; ".join(f"layer {h['layer']}: expert shards {h['receivers']} overflowed, "
-                      f"hottest experts {h['hot_experts']}" for h in hotspots)
+    where = "; ".join(f"layer {h['layer']}: " + (
+        f"expert shards {h['receivers']} overflowed, " if h["receivers"] else "") +
+        f"hottest experts {h['hot_experts']}" for h in hotspots)
     # frequent_fallback also holds at a step where no layer overflowed.
     subject = (f"layers {layers} {what} ({where})" if layers else
                f"the MoE layers {what} (none at this step)")

@@ -306,6 +306,30 @@ def test_drop_and_near_worst_case_rules(manager):
   assert alert.since == 13 and "on 10 steps in a row" in alert.message
 
 
+def test_one_expert_shard_is_never_near_its_worst_case(tmp_path):
+  """One expert shard: its worst case is the balanced load (factor 1), so every step's
+  required factor is "at" it; near_worst_case does not apply. A fallback at factor 0.75 still
+  alerts, naming the overflowing shard."""
+  received = []
+  m = AlertManager(worst_case_factor=1.0, callback=received.append,
+                   config=AlertConfig(near_worst_steps=2, min_steps_between=1))
+  steps = _Steps()
+  for step in range(6):
+    m.check(steps(step, fallback=1, factor=1.0, would_drop=3, layer1=dict(factor=1.0)))
+  assert {a.rule for a in received} == {"fallback_ran", "frequent_fallback"}, received
+
+
+def test_no_message_lists_an_empty_set_of_shards(manager):
+  """A layer named by a rule without an overflowing receiver at this step (near the worst case
+  within the buffer) is described by its hottest experts alone."""
+  m, received, _, steps = manager
+  for step in range(10):
+    m.check(steps(step, factor=3.8))
+  [alert] = [a for a in received if a.rule == "near_worst_case"]
+  assert alert.hotspots[0]["receivers"] == []
+  assert "[]" not in alert.message and "layer 0: hottest experts [0, 1, 2]" in alert.message
+
+
 def test_nonfinite_router_input_alert_is_rate_limited_and_blames_no_expert(manager):
   """Non-finite router input is bad data, not traffic: its own rule, with the layers and their
   counts, no hotspots, and none of the overflow rules."""
