@@ -624,7 +624,12 @@ def test_console_reports_compile_progress_and_a_summary(baseline):
     assert fields[6] == "factor 2.25" and re.fullmatch(r"ETA \d+:\d\d:\d\d", fields[7]), line
   assert progress[-1].endswith("ETA 0:00:00")
   assert "train/mfu" not in read_scalars(baseline.workdir)
-  done, where = lines[-2:]
+  writing, written, done, where = lines[-4:]
+  # The final checkpoint's write, announced with its size and timed (a 0.7B model's outlasted
+  # the last step line by ~50 s in silence).
+  assert re.fullmatch(rf"writing checkpoint {re.escape(baseline.workdir)}/checkpoints/8 "
+                      r"\([\d.]+ MiB of train state\) \.\.\.", writing), writing
+  assert re.fullmatch(r"checkpoint 8 written \(\d+\.\d s\)", written), written
   total = sum(fell_back[s] > 0 for s in range(8))
   assert re.fullmatch(rf"done: steps 0-7 in \d+:\d\d:\d\d \| loss {baseline.losses[-1]:.4g} "
                       rf"\(eval [\d.]+\) \| fallback in {total}/8 steps \| dropped 0 rows \| "

@@ -118,6 +118,12 @@ class Checkpoints:
     self._manager = ocp.CheckpointManager(
         self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=keep,
                                                              save_interval_steps=every))
+    self.writing: int | None = None  # the step of the save started last, until `wait`
+
+  @staticmethod
+  def state_bytes(state) -> int:
+    """Bytes of `state`'s arrays over all devices' shards, as a checkpoint writes them."""
+    return sum(leaf.nbytes for leaf in jax.tree.leaves(state) if hasattr(leaf, "nbytes"))
 
   def latest_step(self) -> int | None:
     return self._manager.latest_step()
@@ -128,6 +134,7 @@ class Checkpoints:
   def save(self, step: int, state, data: dict, moe_metrics: dict, autopilot: dict,
            alerts: dict | None = None) -> None:
     """Starts writing checkpoint `step` (in the background); UserError when a write fails."""
+    self.writing = step
     self._guarded(lambda: self._manager.save(step, force=True, args=ocp.args.Composite(
         state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data),
         moe_metrics=ocp.args.JsonSave(moe_metrics), autopilot=ocp.args.JsonSave(autopilot),
@@ -136,6 +143,7 @@ class Checkpoints:
   def wait(self) -> None:
     """Blocks until every started save is complete; UserError when one failed."""
     self._guarded(self._manager.wait_until_finished)
+    self.writing = None
 
   def _guarded(self, write) -> None:
     try:

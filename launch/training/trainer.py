@@ -340,6 +340,21 @@ def train_and_evaluate(settings: Settings, workdir: str, stop_after: int | None 
   return loop.reporter.losses
 
 
+def _finish_checkpoint(run: _Run, state) -> None:
+  """Waits for the run's last checkpoint, saying on the console what it writes and, once
+  written, how long the wait took (a large state's write outlasts the last step line)."""
+  step = run.checkpoints.writing
+  if step is None:
+    return
+  size = Checkpoints.state_bytes(state)
+  size = f"{size / 2**30:.2f} GiB" if size >= 2**30 else f"{size / 2**20:.1f} MiB"
+  run.console.line(f"writing checkpoint {run.checkpoints.directory}/{step} ({size} of train "
+                   "state) ...")
+  started = time.perf_counter()
+  run.checkpoints.wait()
+  run.console.line(f"checkpoint {step} written ({time.perf_counter() - started:.1f} s)")
+
+
 def _train(run: _Run, state, stop_after: int | None) -> _Loop:
   """Opens the run's writers and telemetry, resumes what the checkpoint holds and runs the
   loop; returns it, finished."""
@@ -362,7 +377,7 @@ def _train(run: _Run, state, stop_after: int | None) -> _Loop:
       loop = _Loop(run, state, reporter, moe_metrics, pilot, stop_after)
       try:
         loop.run(train, factor)
-        run.checkpoints.wait()
+        _finish_checkpoint(run, loop.state)
       finally:
         loop.stop.restore()
   finally:
