@@ -31,17 +31,46 @@ import jax.numpy as jnp
 # as` and `from ... import`; `import_module` returns the module itself.
 kernels = importlib.import_module("jax.experimental.pallas.ops.tpu.megablox.gmm")
 
-TILE = 128          # Row and width tile (the kernels' default).
+# Tiles, tried largest first. The kernels' default, 128 everywhere, ran the expert matmuls of a
+# [32768, 2048] x [8, 2048, 2816] bfloat16 layer at 10.9 TFLOP/s on a v5e chip; (512, 512,
+# 512) at 92.9, (512, 1024, 1024) at 113.5 (MaxText's choice), and (1024, 1024, 1024) did not
+# fit the kernel's VMEM (docs/tpu-chip.md). Bigger tiles mean fewer grid steps and longer
+# matmuls per step, so the rule takes the largest that fit VMEM_BUDGET.
+ROW_TILES = (512, 256, 128)
+WIDTH_TILES = (1024, 512, 256, 128)
 _SUBLANES = 16      # Smallest row tile: the sublane packing of bfloat16 on TPU.
+# What one grid step may hold in VMEM: under the 16 MiB that Mosaic scopes by default on
+# v5e (the (1024, 1024, 1024) bfloat16 tiling needs 16 MiB by `vmem_bytes`).
+VMEM_BUDGET = 12 * 2**20
 
 
 def row_tile(num_rows: int) -> int:
-  """The kernels' row tile for `num_rows` rows: TILE, or fewer rows rounded up to _SUBLANES."""
-  return min(TILE, -(-num_rows // _SUBLANES) * _SUBLANES)
+  """The row tile for `num_rows` rows: the largest of ROW_TILES that pads them by at most an
+  eighth (rows are padded up to a multiple of it), or all of them rounded up to _SUBLANES
+  when fewer than the smallest tile."""
+  if num_rows <= ROW_TILES[-1]:
+    return -(-num_rows // _SUBLANES) * _SUBLANES
+  return next(t for t in ROW_TILES if t == ROW_TILES[-1] or -num_rows % t <= num_rows // 8)
 
 
-def _tiling(rows: int, contracted: int, out: int) -> tuple[int, int, int]:
-  return row_tile(rows), min(TILE, contracted), min(TILE, out)
+def vmem_bytes(tiling: tuple[int, int, int], itemsize: int) -> int:
+  """VMEM of one grid step of a `(tm, tk, tn)` tiling on operands of `itemsize` bytes: the
+  double-buffered lhs, rhs and output tiles and the float32 accumulator."""
+  tm, tk, tn = tiling
+  return 2 * itemsize * (tm * tk + tk * tn + tm * tn) + 4 * tm * tn
+
+
+def tiling(rows: int, contracted: int, out: int, itemsize: int) -> tuple[int, int, int]:
+  """`(tm, tk, tn)` for `[rows, contracted] x [contracted, out]` on `itemsize`-byte operands,
+  `rows` padded to a multiple of `row_tile` (as `expert_mlp` pads them): the largest of
+  ROW_TILES dividing `rows` (all of them when fewer), and the largest width tiles (each at
+  most its dimension, square first) within VMEM_BUDGET. The kernels mask a partial last tile
+  of `contracted` and `out`; the rows must divide."""
+  tm = next((t for t in ROW_TILES if rows % t == 0), rows)
+  widths = sorted(((min(tk, contracted), min(tn, out)) for tk in WIDTH_TILES
+                   for tn in WIDTH_TILES), key=lambda w: (-w[0] * w[1], abs(w[0] - w[1])))
+  return next(((tm, tk, tn) for tk, tn in widths
+               if vmem_bytes((tm, tk, tn), itemsize) <= VMEM_BUDGET), (tm, 128, 128))
 
 
 def _precision(lhs: jax.Array, rhs: jax.Array):
@@ -63,11 +92,12 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, interpret
   """`x [M, K]` grouped rows times `w [G, K, N]` -> `[M, N]` in x's dtype; rows past the
   groups are left unwritten (undefined), in the output and in the input gradient.
 
-  M must be a multiple of `row_tile(M)`; group_sizes `[G]` int32.
+  M must be a multiple of `row_tile(M)`; group_sizes `[G]` int32. Tiles: `tiling`.
   """
   (m, k), n = x.shape, w.shape[2]
   with _precision(x, w):
-    return kernels.gmm(x, w, group_sizes, x.dtype, _tiling(m, k, n), interpret=interpret)
+    return kernels.gmm(x, w, group_sizes, x.dtype, tiling(m, k, n, x.dtype.itemsize),
+                       interpret=interpret)
 
 
 def _grouped_matmul_fwd(x, w, group_sizes, interpret):
@@ -80,11 +110,12 @@ def _grouped_matmul_bwd(interpret, res, dy):
   x, w, group_sizes = res
   (m, k), n = x.shape, w.shape[2]
   with _precision(dy, w):
-    dx = kernels.gmm(dy, w, group_sizes, x.dtype, _tiling(m, n, k), transpose_rhs=True,
-                     interpret=interpret)                                 # [M, K]
+    dx = kernels.gmm(dy, w, group_sizes, x.dtype, tiling(m, n, k, dy.dtype.itemsize),
+                     transpose_rhs=True, interpret=interpret)             # [M, K]
   with _precision(x, dy):  # tgmm selects each group's rows: padding rows never enter dw
-    dw = kernels.tgmm(x.swapaxes(0, 1), dy, group_sizes, w.dtype, _tiling(m, k, n),
-                      num_actual_groups=w.shape[0], interpret=interpret)  # [G, K, N]
+    dw = kernels.tgmm(x.swapaxes(0, 1), dy, group_sizes, w.dtype,
+                      tiling(m, k, n, x.dtype.itemsize), num_actual_groups=w.shape[0],
+                      interpret=interpret)                                # [G, K, N]
   return dx, dw, None
 
 

@@ -9,7 +9,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import moe_hk
-from moe_hk import grouped_matmul, ragged_path
+from moe_hk import grouped_matmul, megablox, ragged_path
 from tests.moe_inputs import outputs_and_grads, reference_outputs_and_grads, skewed_inputs
 from tests.tree_close import assert_trees_close
 
@@ -152,16 +152,19 @@ def test_blocked_grouped_matmul_single_product(block_rows):
 
 
 @pytest.mark.parametrize("dtype,rtol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)])
-def test_megablox_spans_tiles_and_ignores_padding_rows(dtype, rtol):
-  """Three row tiles (groups crossing tile edges, an empty group), a width past one tile that
-  is not a tile multiple (D=160), and non-finite padding rows: the kernels leave rows past
-  the groups unwritten, so this checks that the output is masked there and that nothing of
-  the padding rows reaches the rows in groups or the weight gradients."""
+def test_megablox_spans_tiles_and_ignores_padding_rows(dtype, rtol, monkeypatch):
+  """Three row tiles of 512 (groups crossing tile edges, an empty group), a width past one
+  tile that is not a tile multiple (D=160, the width tiles held to 128 here: the interpreter
+  takes a minute at the chip's 1024), and non-finite padding rows: the kernels leave rows
+  past the groups unwritten, so this checks that the output is masked there and that nothing
+  of the padding rows reaches the rows in groups or the weight gradients."""
+  monkeypatch.setattr(megablox, "WIDTH_TILES", (128,))
   rng = np.random.default_rng(3)
-  sizes = jnp.array([130, 0, 200], jnp.int32)
-  rows, d, f = 3 * 128, 160, 256
+  sizes = jnp.array([530, 0, 900], jnp.int32)
+  rows, d, f = 3 * 512, 160, 256
+  assert megablox.tiling(rows, d, f, 4) == (512, 128, 128)
   x = rng.normal(size=(rows, d)).astype(np.float32)
-  x[330:] = np.nan
+  x[1430:] = np.nan
   clean = np.where(np.isnan(x), 0, x)
   wi_0, wi_1, wo = (rng.normal(size=s).astype(np.float32) / np.sqrt(s[1])
                     for s in [(3, d, f), (3, d, f), (3, f, d)])
@@ -175,13 +178,34 @@ def test_megablox_spans_tiles_and_ignores_padding_rows(dtype, rtol):
       *(jnp.asarray(a, dtype) for a in (x, wi_0, wi_1, wo)))
   assert [a.dtype for a in jax.tree.leaves(got)] == [dtype] * 5
   got = jax.tree.map(lambda a: np.asarray(a, np.float32), got)
-  np.testing.assert_array_equal(got[0][330:], 0)
+  np.testing.assert_array_equal(got[0][1430:], 0)
   as_dtype = lambda a: jnp.asarray(jnp.asarray(a, dtype), jnp.float32)  # same rounded inputs
   want = value_and_grads(lambda *a: _dense_reference(*a, np.asarray(sizes)),
                          *(as_dtype(a) for a in (clean, wi_0, wi_1, wo)))
-  in_groups = lambda tree: (tree[0], (tree[1][0][:330], *tree[1][1:]))  # dx: undefined past
+  in_groups = lambda tree: (tree[0], (tree[1][0][:1430], *tree[1][1:]))  # dx: undefined past
   assert_trees_close(in_groups(got), in_groups(want), rtol=rtol,
                      what=f"megablox {jnp.dtype(dtype).name}")
+
+
+@pytest.mark.parametrize("shape,itemsize,tiles", [
+    ((32768, 2048, 2816), 2, (512, 1024, 1024)),  # the chip config's experts, bfloat16
+    ((32768, 2048, 2816), 4, (512, 1024, 512)),   # float32: (512, 1024, 1024) needs 18 MiB
+    ((1408, 64, 96), 4, (128, 64, 96)),           # 1300 rows padded to 128s; narrow widths
+    ((112, 32, 64), 2, (112, 32, 64)),            # fewer rows than a tile: all of them
+])
+def test_megablox_tiles_are_the_largest_that_fit_vmem(shape, itemsize, tiles):
+  assert megablox.tiling(*shape, itemsize) == tiles
+  assert megablox.vmem_bytes(tiles, itemsize) <= megablox.VMEM_BUDGET
+  assert megablox.vmem_bytes((1024, 1024, 1024), 2) > megablox.VMEM_BUDGET  # out of VMEM
+
+
+@pytest.mark.parametrize("rows,tile", [(100, 112), (600, 128), (1000, 512), (1300, 128),
+                                       (32768, 512), (3 * 256, 256)])
+def test_megablox_row_tile_pads_at_most_an_eighth(rows, tile):
+  assert megablox.row_tile(rows) == tile
+  padded = -(-rows // tile) * tile
+  assert padded - rows <= max(rows // 8, 15) and megablox.tiling(padded, 64, 64, 2)[0] % 16 == 0
+  assert padded % megablox.tiling(padded, 64, 64, 2)[0] == 0  # the kernels' rows divide
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["float32", "bfloat16"])
