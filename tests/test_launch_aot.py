@@ -22,7 +22,7 @@ def test_topology_devices(topology, devices):
 
 @pytest.mark.parametrize("topology,message", [
     ("v5p-6", r"v5p-N needs N in \[8, 16, 32"),
-    ("tpu-big", "must be 'v5p-N', 'v5p:AxBxC' or 'cpu:N'"),
+    ("tpu-big", "must be 'v5p-N', 'v5p:AxBxC', 'v5e:AxB' or 'cpu:N'"),
     ("cpu:64", "only 8 CPU devices"),
 ])
 def test_bad_topology_names_the_valid_forms(topology, message):

@@ -16,12 +16,18 @@ from jax.experimental import topologies
 V5P_SHAPES = {4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4", 128: "4x4x8",
               256: "4x8x8", 512: "8x8x8"}
 # HBM per chip as the TPU compiler states it when a program does not fit ("available HBM").
-HBM_GIB = {"v5p": 95.74}
+HBM_GIB = {"v5p": 95.74, "v5e": 15.75}
 
 
 def tpu_topology_devices(topology: str) -> Sequence[jax.Device]:
-  """Devices of a TPU topology such as 'v5p:2x2x1' (needs libtpu, not a TPU)."""
-  return topologies.get_topology_desc(platform="tpu", topology_name=topology).devices
+  """Devices of a TPU topology such as 'v5p:2x2x1' or 'v5e:1x1' (needs libtpu, not a TPU).
+
+  libtpu takes a slice smaller than its generation's host (v5e hosts hold 2x2 chips) only
+  with the chips per host given: one host holding the whole slice."""
+  dims = tuple(int(d) for d in topology.split(":")[1].split("x"))
+  small = dims[:2] in ((1, 1), (1, 2), (2, 1)) and topology.startswith("v5e:")
+  bounds = dict(chips_per_host_bounds=(*dims[:2], 1)) if small else {}
+  return topologies.get_topology_desc(platform="tpu", topology_name=topology, **bounds).devices
 
 
 def cpu_device_count(topology: str) -> int:
@@ -36,7 +42,8 @@ def cpu_device_count(topology: str) -> int:
 
 
 def topology_devices(topology: str) -> list:
-  """Devices of `topology` ('v5p-256', 'v5p:4x4x8', 'cpu:8'); ValueError names the valid forms."""
+  """Devices of `topology` ('v5p-256', 'v5p:4x4x8', 'v5e:1x1', 'cpu:8'); ValueError names the
+  valid forms."""
   if topology.startswith("cpu:"):
     want = cpu_device_count(topology)
     if jax.device_count() < want:
@@ -51,7 +58,8 @@ def topology_devices(topology: str) -> list:
                        f"{sorted(2 * c for c in V5P_SHAPES)}; or give 'v5p:AxBxC'.")
     topology = f"v5p:{V5P_SHAPES[chips]}"
   if not re.fullmatch(r"v\w+:\d+x\d+(x\d+)?", topology):
-    raise ValueError(f"--compile_topology={topology} must be 'v5p-N', 'v5p:AxBxC' or 'cpu:N'.")
+    raise ValueError(f"--compile_topology={topology} must be 'v5p-N', 'v5p:AxBxC', 'v5e:AxB' "
+                     "or 'cpu:N'.")
   return list(tpu_topology_devices(topology))
 
 
