@@ -151,7 +151,7 @@ class Transformer(hk.Module):
 
   def __call__(self, tokens: jax.Array, step: jax.Array | None = None) -> ModelOutput:
     c = self.config
-    embed = hk.Embed(c.vocab_size, c.emb_dim, name="embed")
+    embed = hk.Embed(c.vocab_size, c.emb_dim, name="embed", w_init=embedding_init(c.emb_dim))
     x = embed(tokens).astype(jnp.dtype(c.dtype))
     def group(carry, index):
       x_, after = carry
@@ -172,8 +172,19 @@ class Transformer(hk.Module):
                                                  process=jax.process_index())
     output = embed.embeddings if c.tie_embeddings else hk.get_parameter(
         "unembed", (c.vocab_size, c.emb_dim), jnp.float32,
-        init=hk.initializers.TruncatedNormal(1 / math.sqrt(c.emb_dim)))
+        init=hk.initializers.TruncatedNormal(1 / c.emb_dim))
     return ModelOutput(rms_norm(x, "final_norm", c.norm_eps), output, stats)
+
+
+def embedding_init(width: int) -> hk.initializers.Initializer:
+  """The token embedding's initialiser: standard deviation 1/sqrt(`width`), so that a fresh
+  model's first loss is ln(vocab_size). Tied, the logits are `hidden . e_v / sqrt(D)` with
+  unit-RMS hidden states: an embedding of standard deviation s gives the input token's own
+  logit about s x sqrt(D) (45 at D = 2048 with s = 1: a first loss of 27 nats at vocabulary
+  32768) and the others s; with s = 1/sqrt(D) they are at most 1 and 1/sqrt(D). The untied
+  output projection starts at 1/D for the same 1/sqrt(D) logits (RMSNorm makes the input
+  embedding's scale matter only against the blocks' outputs)."""
+  return hk.initializers.TruncatedNormal(1 / math.sqrt(width))
 
 
 def logit_divisor(config: ml_collections.ConfigDict) -> float:
