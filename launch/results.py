@@ -52,19 +52,23 @@ def command(argv: list[str] | None = None) -> str:
   return " ".join([program, *map(shlex.quote, argv[1:])])
 
 
-def record(figures: dict[str, Any], argv: list[str] | None = None) -> dict[str, Any]:
-  """`figures` after the `command`, `commit`, `date` and `machine` that produced them."""
+def record(figures: dict[str, Any], argv: list[str] | None = None,
+           measured_on: dict | None = None) -> dict[str, Any]:
+  """`figures` after the `command`, `commit`, `date` and `machine` that produced them
+  (`measured_on`: the `machine()` of the process that measured, when it was another one)."""
   return {"command": command(argv), "commit": commit(),
           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-          "machine": machine(), **figures}
+          "machine": measured_on or machine(), **figures}
 
 
-def write(name: str, figures: dict[str, Any], argv: list[str] | None = None) -> str:
-  """Writes `record(figures)` to `benchmarks/results/<name>.json`; returns the path."""
+def write(name: str, figures: dict[str, Any], argv: list[str] | None = None,
+          measured_on: dict | None = None) -> str:
+  """Writes `record(figures, argv, measured_on)` to `benchmarks/results/<name>.json`;
+  returns the path."""
   os.makedirs(RESULTS, exist_ok=True)
   path = os.path.join(RESULTS, f"{name}.json")
   with open(path, "w") as f:
-    json.dump(record(figures, argv), f, indent=2)
+    json.dump(record(figures, argv, measured_on), f, indent=2)
     f.write("\n")
   return path
 
