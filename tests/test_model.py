@@ -1,6 +1,7 @@
 """launch.training.model against independent dense references: chunked loss, RMSNorm and SwiGLU, the
 MoE block's shared expert, and the remat policies (attention: tests/test_attention.py)."""
 import math
+import os
 
 import haiku as hk
 import jax
@@ -9,7 +10,9 @@ import numpy as np
 import pytest
 
 import moe_hk
+from launch import settings as settings_lib
 from launch.training import model as model_lib
+from launch.training.steps import make_steps
 from tests.helpers import settings_of, tiny_config
 from tests.tree_close import assert_trees_close, relative_error
 
@@ -160,3 +163,29 @@ def test_remat_policies_give_the_same_step_and_keep_fallback_events():
   for policy, (value, grads) in results.items():
     np.testing.assert_allclose(value, results["none"][0], rtol=1e-5, err_msg=policy)
     assert_trees_close(grads, results["none"][1], what=policy)
+
+
+@pytest.mark.parametrize("name,tied", [("tiny", True), ("demo", True), ("default", True),
+                                       ("tpu_chip", True), ("maverick", True),
+                                       ("tpu_chip", False)])
+def test_a_fresh_models_first_loss_is_ln_vocabulary(name, tied):
+  """Step 0's loss within 0.5 nat of ln(vocab_size) for every shipped config at its own width
+  (32 to 5120; the tied embedding's own-token logit once made it 27 nats at 2048) and untied.
+  Each is cut to one layer group of two heads and 8 narrow experts on the 8 CPU devices and a
+  vocabulary of at most 32768 (the rule is about the width); embedding, output and norms as
+  shipped."""
+  config = settings_lib.load(os.path.join(settings_lib.CONFIGS, f"{name}.py"))
+  config.update(num_layers=config.moe_every, mlp_dim=64, vocab_size=min(config.vocab_size,
+                                                                        32_768),
+                tie_embeddings=tied, attention_impl="xla", attention_block=0, loss_chunk=0,
+                remat_policy="none", num_heads=2, num_kv_heads=1)
+  config.mesh.update(data=1, fsdp=1, expert=8)
+  config.moe.update(num_experts=8, mlp_dim=64, gmm_impl="ragged_dot",
+                    dropless_fallback_num_chunks=0)
+  config.data.update(batch_size=8, seq_len=32)
+  steps = make_steps(settings_of(config), moe_hk.make_mesh(**config.mesh))
+  tokens = np.random.default_rng(0).integers(0, config.vocab_size, (8, 33), np.int32)
+  loss = float(steps.eval_loss(steps.init(jax.random.key(0)).params, tokens))
+  assert abs(loss - math.log(config.vocab_size)) <= 0.5, (
+      f"{name} (emb_dim {config.emb_dim}, tied {tied}): first loss {loss:.3f}, "
+      f"ln({config.vocab_size}) = {math.log(config.vocab_size):.3f}")
