@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed-$(PYVER)
 # Tests that share a module-level cache or fixture run on one worker (tests/conftest.py).
 PYTEST := $(VENV)/bin/python -m pytest -n 2 --dist loadgroup -rs --durations=20
 
-.PHONY: install test test-fast test-memory train demo clean
+.PHONY: install test test-fast test-memory test-tpu train demo clean
 
 install: $(STAMP)
 
@@ -37,6 +37,11 @@ test-fast: $(STAMP)
 # `PYENV_VERSION=3.12.1 make test-memory VENV=.venv-3.12` checks jax 0.12's compiler.
 test-memory: $(STAMP)
 	MOE_HK_MEMORY_GUARD=1 $(VENV)/bin/python -m pytest -rs tests/test_memory_guard.py
+
+# The tests that need a TPU chip (marked `tpu`; they skip in `make test`), on this host's chip:
+# one process, as one program holds a chip at a time.
+test-tpu: $(STAMP)
+	MOE_HK_TPU=1 $(VENV)/bin/python -m pytest -rs -m tpu tests
 
 # The main job: trains the default MoE transformer on 8 simulated CPU devices (resumes if
 # workdir/default holds a run).

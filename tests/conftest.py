@@ -20,13 +20,18 @@ QUICK_COMPILE = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expen
                  "--xla_cpu_opt_preset=FAST_COMPILE")
 LEGACY_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
 _JAXLIB = tuple(int(p) for p in importlib.metadata.version("jaxlib").split(".")[:2])
-os.environ["XLA_FLAGS"] = " ".join([
-    os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8", *QUICK_COMPILE,
-    *([LEGACY_EMITTERS] if _JAXLIB < (0, 11) else [])]).strip()
-os.environ["JAX_PLATFORMS"] = "cpu"
-os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")  # libtpu is installed; this is not a TPU VM.
-# Only AOT compilation uses libtpu here; let it load beside another process doing the same.
-os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+# `make test-tpu` (MOE_HK_TPU=1) runs the tests marked `tpu` on the host's chip: jax keeps its
+# accelerator there. Everywhere else the suite runs on 8 simulated CPU devices, and the `tpu`
+# tests skip (tests/test_tpu_chip.py).
+ON_CHIP = os.environ.get("MOE_HK_TPU") == "1"
+if not ON_CHIP:
+  os.environ["XLA_FLAGS"] = " ".join([
+      os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8",
+      *QUICK_COMPILE, *([LEGACY_EMITTERS] if _JAXLIB < (0, 11) else [])]).strip()
+  os.environ["JAX_PLATFORMS"] = "cpu"
+  os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")  # libtpu is installed; not a TPU VM.
+  # Only AOT compilation uses libtpu here; let it load beside another process doing the same.
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 import jax  # noqa: E402
 
