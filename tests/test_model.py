@@ -32,8 +32,8 @@ def _vjp(fn, args, cotangent):
 
 
 def reference_cross_entropy(hidden, embeddings, targets):
-  """Mean of -log_softmax(hidden @ E.T / sqrt(D))[target] over every position."""
-  logits = jnp.einsum("bsd,vd->bsv", hidden, embeddings) / math.sqrt(hidden.shape[-1])
+  """Mean of -log_softmax(hidden @ E.T)[target] over every position."""
+  logits = jnp.einsum("bsd,vd->bsv", hidden, embeddings)
   log_probs = jax.nn.log_softmax(logits, axis=-1)
   return -jnp.mean(jnp.take_along_axis(log_probs, targets[..., None], axis=-1))
 

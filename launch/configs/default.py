@@ -28,9 +28,12 @@ def _model(c: ml_collections.ConfigDict) -> None:
   c.mlp_dim = 256             # dense blocks' SwiGLU width
   c.dtype = "float32"         # compute dtype ('bfloat16' allowed); params stay float32
   # The knobs public checkpoints set (launch.convert, docs/checkpoints.md): False gives an
-  # untied [V, D] output projection and unscaled logits (True: the input embedding, logits
-  # divided by sqrt(emb_dim)); the RoPE base (rotate-half layout); the RMSNorms' epsilon;
-  # True adds an RMSNorm over each query and key head before the rotation (Qwen3).
+  # untied [V, D] output projection (True: the input embedding is the output projection); the
+  # RoPE base (rotate-half layout); the RMSNorms' epsilon; True adds an RMSNorm over each query
+  # and key head before the rotation (Qwen3). Initialisation (any width): the embeddings start
+  # at standard deviation 1/(2 sqrt(emb_dim)) and the logits are not scaled, so they start at
+  # standard deviation 1/2 and the first loss is ln(vocab_size) + 1/8
+  # (launch.training.model.embedding_init).
   c.tie_embeddings = True
   c.rope_theta = 10_000.0
   c.norm_eps = 1e-6

@@ -172,50 +172,44 @@ class Transformer(hk.Module):
                                                  process=jax.process_index())
     output = embed.embeddings if c.tie_embeddings else hk.get_parameter(
         "unembed", (c.vocab_size, c.emb_dim), jnp.float32,
-        init=hk.initializers.TruncatedNormal(1 / c.emb_dim))
+        init=embedding_init(c.emb_dim))
     return ModelOutput(rms_norm(x, "final_norm", c.norm_eps), output, stats)
 
 
 def embedding_init(width: int) -> hk.initializers.Initializer:
-  """The token embedding's initialiser: standard deviation 1/sqrt(`width`), so that a fresh
-  model's first loss is ln(vocab_size). Tied, the logits are `hidden . e_v / sqrt(D)` with
-  unit-RMS hidden states: an embedding of standard deviation s gives the input token's own
-  logit about s x sqrt(D) (45 at D = 2048 with s = 1: a first loss of 27 nats at vocabulary
-  32768) and the others s; with s = 1/sqrt(D) they are at most 1 and 1/sqrt(D). The untied
-  output projection starts at 1/D for the same 1/sqrt(D) logits (RMSNorm makes the input
-  embedding's scale matter only against the blocks' outputs)."""
-  return hk.initializers.TruncatedNormal(1 / math.sqrt(width))
+  """The token embedding's and the untied output projection's initialiser: standard
+  deviation 1/(2 sqrt(`width`)), so that a fresh model's first loss is ln(vocab_size) + 1/8 at
+  any width. The logits `hidden . e_v` are not scaled; with unit-RMS hidden states an output
+  embedding of standard deviation s gives logits of standard deviation s x sqrt(D), here 1/2
+  (the expected loss over ln(V) is half their variance), and the input token's own logit
+  (tied) stays small. An embedding of standard deviation 1 with logits divided by sqrt(D)
+  gave the input token a logit near sqrt(D): 27 nats at step 0 at width 2048, vocabulary
+  32768; 1/sqrt(D) with that divisor started right but learned the default job several times
+  slower (its logits could not grow)."""
+  return hk.initializers.TruncatedNormal(0.5 / math.sqrt(width))
 
 
-def logit_divisor(config: ml_collections.ConfigDict) -> float:
-  """What the logits `hidden @ embeddings.T` are divided by: sqrt(D) for the tied embedding
-  (so initial logits have unit variance), 1 for an untied output projection."""
-  return math.sqrt(config.emb_dim) if config.tie_embeddings else 1.0
-
-
-def logits(hidden: jax.Array, embeddings: jax.Array, divisor: float) -> jax.Array:
-  """`hidden [B, S, D] @ embeddings [V, D].T / divisor`: float32 logits `[B, S, V]`."""
+def logits(hidden: jax.Array, embeddings: jax.Array) -> jax.Array:
+  """`hidden [B, S, D] @ embeddings [V, D].T`: float32 logits `[B, S, V]`."""
   return jnp.einsum("bsd,vd->bsv", hidden, embeddings.astype(hidden.dtype),
-                    preferred_element_type=jnp.float32) / divisor
+                    preferred_element_type=jnp.float32)
 
 
 def cross_entropy(hidden: jax.Array, embeddings: jax.Array, targets: jax.Array,
-                  chunk: int = 0, divisor: float | None = None) -> jax.Array:
+                  chunk: int = 0) -> jax.Array:
   """Mean next-token cross-entropy of `hidden [B, S, D]` against `targets [B, S]`.
 
-  Logits are `logits(hidden, embeddings, divisor)`, in float32; `divisor` None is sqrt(D)
-  (the tied embedding's, `logit_divisor`). `chunk` > 0 computes them `chunk` positions at a
-  time in a checkpointed scan, so a `[B, S, V]` logits array never exists (a large vocabulary
-  at a long sequence would not fit); 0 does it in one piece.
+  Logits are `logits(hidden, embeddings)`, in float32. `chunk` > 0 computes them `chunk`
+  positions at a time in a checkpointed scan, so a `[B, S, V]` logits array never exists (a
+  large vocabulary at a long sequence would not fit); 0 does it in one piece.
   """
   seq = hidden.shape[1]
-  divisor = math.sqrt(hidden.shape[2]) if divisor is None else divisor
   chunk = chunk or seq
   if seq % chunk:
     raise ValueError(f"loss_chunk={chunk} must divide the sequence length {seq}.")
 
   def summed(h, t):
-    scores = logits(h, embeddings, divisor)
+    scores = logits(h, embeddings)
     log_z = jax.nn.logsumexp(scores, axis=-1)
     picked = jnp.take_along_axis(scores, t[..., None], axis=-1)[..., 0]
     return jnp.sum(log_z - picked)

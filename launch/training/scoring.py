@@ -26,7 +26,7 @@ def forward(settings: Settings, mesh: Mesh) -> Forward:
 
   def apply(tokens):
     out = model_lib.Transformer(config, settings.layer, mesh, name="model")(tokens)
-    scores = model_lib.logits(out.hidden, out.embeddings, model_lib.logit_divisor(config))
+    scores = model_lib.logits(out.hidden, out.embeddings)
     return scores, out.moe_stats
   model = hk.transform(apply)
   batch = NamedSharding(mesh, P(tuple(mesh.axis_names)))

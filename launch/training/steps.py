@@ -21,7 +21,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from launch.training import memory
 from launch.settings import Settings
 from launch.training import sharding, spikes as spikes_lib
-from launch.training.model import Transformer, cross_entropy, logit_divisor
+from launch.training.model import Transformer, cross_entropy
 from moe_hk import step_mode as step_mode_lib
 
 
@@ -86,8 +86,7 @@ def loss_fn(model: hk.Transformed, config, params, batch, step):
   batch `[B, S + 1]` int32. Returns `(total, (cross_entropy, MoEStats stacked over layers))`.
   """
   out = model.apply(params, None, batch[:, :-1], step)
-  ce = cross_entropy(out.hidden, out.embeddings, batch[:, 1:], config.loss_chunk,
-                     logit_divisor(config))
+  ce = cross_entropy(out.hidden, out.embeddings, batch[:, 1:], config.loss_chunk)
   aux = jnp.sum(out.moe_stats.lb_loss) + jnp.sum(out.moe_stats.z_loss)
   return ce + aux, (ce, out.moe_stats)
 
