@@ -167,6 +167,32 @@ def test_the_likely_move_compiles_while_the_window_fills_and_then_costs_no_compi
     cache.close()
 
 
+def test_compiling_ahead_never_spends_the_last_program_of_the_budget():
+  """With one program allowed, the rule's answer half a window in (1.5) is not compiled
+  ahead: the answer moves (to 1.625) by the time the window is full, and the decision gets
+  the program. Compiled ahead, 1.5 would have spent the budget and the run would never move."""
+  c = _controller(factor=3.0)
+  c.evidence.add_interval(3.0, 5, 1.5)
+  compiles = []
+  def compile_fn(factor):
+    compiles.append(factor)
+    return autopilot.Program(factor, f"step {factor}", None)
+  cache = autopilot.ProgramCache(compile_fn, budget_bytes=None, max_programs=1)
+  cache.add(autopilot.Program(3.0, "step 3", None))
+  pilot = autopilot.Autopilot(c, cache, wait=True, on_change=lambda *args: None)
+  try:
+    for _ in range(WINDOW // 2):
+      c.evidence.add_step([1.4], False)
+      pilot.step_finished(steps_left=1000)
+    assert c.evidence.advice.factor == 1.5 and compiles == []
+    for _ in range(WINDOW // 2):
+      c.evidence.add_step([1.6], False)
+      pilot.step_finished(steps_left=1000)
+    assert pilot.switch(WINDOW).factor == 1.625 == c.factor and compiles == [1.625]
+  finally:
+    cache.close()
+
+
 def test_a_program_over_the_budget_is_refused_for_good():
   """The rule names 1.125; its program needs 112 bytes against a budget of 100: compiled,
   never run, refused (with every larger factor), and the run stays at its factor."""

@@ -205,6 +205,11 @@ class ProgramCache:
     self._futures[factor] = self._pool.submit(self._compile, factor)
     return True
 
+  def spare(self) -> bool:
+    """Whether the budget holds more than one further compile: one is kept for a decision,
+    so a compile ahead (a guess at the rule's answer) never spends the last."""
+    return self.max_programs - self.compiled > 1
+
   def known_factors(self) -> set[float]:
     """The factors whose programs are compiled or compiling (taking one costs no further
     compile: the cost is sunk)."""
@@ -283,7 +288,7 @@ class Autopilot:
     if decision is not None:
       if self.cache.request(decision.factor):
         self._decision = decision
-    elif self._ahead is None and not self.cache.busy():
+    elif self._ahead is None and not self.cache.busy() and self.cache.spare():
       ahead = self.controller.prospect(steps_left, self.compile_seconds, known)
       if ahead is not None and self.cache.request(ahead):
         self._ahead = ahead
