@@ -1,19 +1,31 @@
 """Reading back what the writers wrote: TensorBoard event files as plain Python values.
 
-For checks and benchmarks (what a run logged, step by step), without a TensorBoard server.
+For checks and benchmarks (what a run logged, step by step), without a TensorBoard server. Each
+reader takes a run folder or a workdir (whose run folder it reads: `metrics.run_folder.run_dir`).
 CLU's writers store scalars, histograms and images as tensor summaries; each reader returns
 `tag -> {step: value}` for one summary kind.
 """
 from __future__ import annotations
 
+import os
+
 import numpy as np
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.util import tensor_util
 
+from metrics.run_folder import EVENTS, run_dir
+
+
+def _accumulator(logdir: str) -> EventAccumulator:
+  """The events of `logdir`: a run folder, or a workdir (its run folder, `run_dir`)."""
+  if not any(name.startswith(EVENTS) for name in os.listdir(logdir)):
+    logdir = run_dir(logdir)
+  return EventAccumulator(logdir, size_guidance={"tensors": 0})
+
 
 def _events(logdir: str, plugin: str) -> dict[str, list]:
   """tag -> its tensor events, for the tags whose summaries belong to `plugin`."""
-  acc = EventAccumulator(logdir, size_guidance={"tensors": 0})
+  acc = _accumulator(logdir)
   acc.Reload()
   return {tag: acc.Tensors(tag) for tag in acc.Tags()["tensors"]
           if acc.SummaryMetadata(tag).plugin_data.plugin_name == plugin}
@@ -48,6 +60,6 @@ def read_images(logdir: str) -> dict[str, dict[int, np.ndarray]]:
 
 def has_hparams(logdir: str) -> bool:
   """Whether `logdir` holds a TensorBoard HParams summary."""
-  acc = EventAccumulator(logdir, size_guidance={"tensors": 0})
+  acc = _accumulator(logdir)
   acc.Reload()
   return any(t.startswith("_hparams_") for t in acc.Tags()["tensors"])

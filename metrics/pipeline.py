@@ -54,6 +54,7 @@ class MoEMetrics:
     if flush_on_sigterm:
       self.writer.flush_on_sigterm()
     self._interval_load = None  # [layers, E] rows since the last end_interval
+    self._interval_first = 0    # the step they start at
     events.add_sink(self.aggregator)
     self._open = True
 
@@ -73,14 +74,17 @@ class MoEMetrics:
       one = type(stats)(*(np.asarray(field)[layer] for field in stats))
       self.aggregator.add(step, layer, layer_record(one, process=process))
     load = np.asarray(stats.tokens_per_expert, np.int64)
-    self._interval_load = load if self._interval_load is None else self._interval_load + load
+    if self._interval_load is None:
+      self._interval_load, self._interval_first = load, step
+    else:
+      self._interval_load = self._interval_load + load
     return self._finish(step, dropless_steps, extra_scalars)
 
   def end_interval(self, step: int, wait: bool = True) -> None:
     """Writes the `moe/expert_load` image of the rows reported since the last call, at
     `step`, and flushes the writer (`wait=False`: queues the flush, `MoEMetricsWriter.flush`)."""
     if self._interval_load is not None:
-      self.writer.write_expert_load(step, self._interval_load)
+      self.writer.write_expert_load(step, self._interval_load, self._interval_first)
       self._interval_load = None
     self.writer.flush(wait=wait)
 

@@ -5,31 +5,10 @@ summary per step (`metrics.step_summaries`: one TensorFlow op a step instead of 
 Asynchronous by default: writes run, in order, on one background thread, so that a training
 loop never waits for TensorFlow; `flush(wait=False)` queues a flush and returns.
 
-Tags (docs/metrics.md; `<i>` is the 0-based ordinal among MoE layers):
-  learning/moe_dropless_fallback_layers       MoE layers whose dropless fallback ran this step
-  moe/fallback_frequency                      fraction of trailing-window steps with a fallback
-  moe/required_ragged_buffer_factor           max over layers of the factor the traffic needed
-  moe/required_ragged_buffer_factor/layer_<i> per MoE layer
-  moe/dropped_rows_fraction                   rows dropped / rows routed
-  moe/recommended_ragged_buffer_factor        the factor rule's factor on the trailing window
-                                              (metrics.factor_rule; no point when it names
-                                              none or the window is below its min_steps)
-  moe/lb_loss, moe/z_loss                     weighted load-balance and router z-loss, all layers
-  moe/load_max_over_mean/layer_<i>            busiest expert's rows over the mean per expert
-  moe/dead_experts/layer_<i>                  experts that got no row
-  moe/router_entropy/layer_<i>                mean entropy of the router softmax (nats)
-  moe/fallback_chunks/layer_<i>               chunks the fallback ran (0: it did not run)
-  moe/nonfinite_tokens/layer_<i>              tokens whose router logits were not finite
-                                              (routed to no expert, output NaN)
-  moe/dropless_steps                          step mode: steps so far that ran dropless from
-                                              their first overflowing layer on
-  moe/tokens_per_expert/layer_<i>             histogram of rows per expert
-  moe/expert_load                             image: MoE layers x experts, rows over the fair
-                                              share over a log interval (grey = fair share)
-
-Process 0 also writes a custom-scalars layout (TensorBoard's CUSTOM SCALARS tab, `LAYOUT`):
-the factor in force (`moe/ragged_buffer_factor`, the trainer's), the required and the
-recommended factor on one chart, the fallback frequency and layers beside it.
+Tags, their descriptions and the CUSTOM SCALARS layout: `metrics.tags` (docs/metrics.md). Each
+tag's first point carries its description. On process 0 the events go to the writer's run
+folder, and the buffer-factor chart's three series also to one run each inside it
+(`tags.FACTOR_SERIES`), so that TensorBoard draws them in three colours.
 """
 from __future__ import annotations
 
@@ -44,39 +23,14 @@ from typing import Any, Callable, Mapping
 import jax
 import numpy as np
 from clu import metric_writers
-from tensorboard.plugins.custom_scalar import layout_pb2, summary as custom_scalar
 
 from metrics.aggregator import StepMetrics
-from metrics.step_summaries import StepSummaryWriter, step_summary
-
-FALLBACK_LAYERS_TAG = "learning/moe_dropless_fallback_layers"
-FREQUENCY_TAG = "moe/fallback_frequency"
-REQUIRED_FACTOR_TAG = "moe/required_ragged_buffer_factor"
-DROPPED_FRACTION_TAG = "moe/dropped_rows_fraction"
-RECOMMENDED_FACTOR_TAG = "moe/recommended_ragged_buffer_factor"
-LB_LOSS_TAG = "moe/lb_loss"
-Z_LOSS_TAG = "moe/z_loss"
-LOAD_MAX_OVER_MEAN_TAG = "moe/load_max_over_mean"
-DEAD_EXPERTS_TAG = "moe/dead_experts"
-ROUTER_ENTROPY_TAG = "moe/router_entropy"
-FALLBACK_CHUNKS_TAG = "moe/fallback_chunks"
-NONFINITE_TOKENS_TAG = "moe/nonfinite_tokens"
-DROPLESS_STEPS_TAG = "moe/dropless_steps"
-TOKENS_PER_EXPERT_TAG = "moe/tokens_per_expert"
-EXPERT_LOAD_TAG = "moe/expert_load"
-FACTOR_IN_FORCE_TAG = "moe/ragged_buffer_factor"  # written by the trainer, charted here
-# The CUSTOM SCALARS tab: the factor story on one chart, the fallbacks beside it (tag regexes).
-LAYOUT = layout_pb2.Layout(category=[layout_pb2.Category(title="MoE buffer factor", chart=[
-    layout_pb2.Chart(title="ragged_buffer_factor: in force, required, recommended",
-                     multiline=layout_pb2.MultilineChartContent(tag=[
-                         f"^{FACTOR_IN_FORCE_TAG}$", f"^{REQUIRED_FACTOR_TAG}$",
-                         f"^{RECOMMENDED_FACTOR_TAG}$"])),
-    layout_pb2.Chart(title="fallback frequency (window) and fallback layers (step)",
-                     multiline=layout_pb2.MultilineChartContent(tag=[
-                         f"^{FREQUENCY_TAG}$", f"^{FALLBACK_LAYERS_TAG}$"]))])])
-# moe/expert_load: each (layer, expert) cell is a square of this many pixels; its grey level
-# is load / fair share / 2, so black = no rows, mid grey = the fair share, white >= 2x.
-EXPERT_LOAD_CELL_PIXELS = 8
+from metrics.run_files import RunFiles
+from metrics.tags import (DEAD_EXPERTS_TAG, DROPLESS_STEPS_TAG, DROPPED_FRACTION_TAG,
+                          EXPERT_LOAD_TAG, FALLBACK_CHUNKS_TAG, FALLBACK_LAYERS_TAG,
+                          FREQUENCY_TAG, LB_LOSS_TAG, LOAD_MAX_OVER_MEAN_TAG,
+                          NONFINITE_TOKENS_TAG, RECOMMENDED_FACTOR_TAG, REQUIRED_FACTOR_TAG,
+                          ROUTER_ENTROPY_TAG, TOKENS_PER_EXPERT_TAG, Z_LOSS_TAG)
 
 
 def step_scalars(m: StepMetrics) -> dict[str, float]:
@@ -101,28 +55,18 @@ def step_scalars(m: StepMetrics) -> dict[str, float]:
   return scalars
 
 
-def expert_load_image(tokens_per_expert: np.ndarray) -> np.ndarray:
-  """`[H, W, 1]` float image in [0, 1] of `tokens_per_expert [layers, E]` (rows summed over
-  an interval): each cell is rows over the layer's fair share (mean per expert), halved and
-  clipped, drawn as an `EXPERT_LOAD_CELL_PIXELS` square."""
-  load = np.asarray(tokens_per_expert, np.float64)
-  fair = np.maximum(load.mean(axis=1, keepdims=True), 1e-12)
-  cells = np.clip(load / fair / 2, 0.0, 1.0)
-  pixels = np.kron(cells, np.ones((EXPERT_LOAD_CELL_PIXELS, EXPERT_LOAD_CELL_PIXELS)))
-  return pixels[..., None].astype(np.float32)
-
-
 @dataclasses.dataclass
 class _StepPoints:
   """What has been written for one step and not yet handed to the event file."""
   scalars: dict[str, float] = dataclasses.field(default_factory=dict)
   histograms: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)  # raw values
-  images: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)  # [H, W, 1] in [0, 1]
+  # tag -> (rows per expert [layers, E] over steps first..this one, first): drawn when written.
+  loads: dict[str, tuple[np.ndarray, int]] = dataclasses.field(default_factory=dict)
 
 
 class MoEMetricsWriter:
   """Writes `StepMetrics` (and any extra scalars) with CLU's writers: a `LoggingWriter` and,
-  on process 0 only, a `SummaryWriter` (`StepSummaryWriter`) for the event files.
+  on process 0 only, the run folder `logdir`'s event files (`metrics.run_files.RunFiles`).
 
   Steps' scalars, histograms and images are held until the next `flush()` (or `close()`),
   then written one summary per step. With `asynchronous` (the default) every write runs on one
@@ -133,12 +77,11 @@ class MoEMetricsWriter:
   SIGTERM once `flush_on_sigterm()` is called) writes and flushes everything written so far.
   """
 
-  def __init__(self, workdir: str, *, asynchronous: bool = True, histogram_buckets: int = 32,
+  def __init__(self, logdir: str, *, asynchronous: bool = True, histogram_buckets: int = 32,
                max_behind: int = 2):
     self._log = metric_writers.LoggingWriter()
-    self._events = StepSummaryWriter(workdir) if jax.process_index() == 0 else None
-    self._writer = metric_writers.MultiWriter(
-        [self._log] + ([self._events] if self._events is not None else []))
+    self._files = RunFiles(logdir) if jax.process_index() == 0 else None
+    self._writers = [self._log] + ([self._files.run] if self._files is not None else [])
     self._pool = (concurrent.futures.ThreadPoolExecutor(
         max_workers=1, thread_name_prefix="moe-metrics-writer") if asynchronous else None)
     self._flushes: collections.deque[concurrent.futures.Future] = collections.deque()
@@ -148,8 +91,6 @@ class MoEMetricsWriter:
     self._points: dict[int, _StepPoints] = {}  # step -> points not yet handed to the thread
     self._closed = False
     self._lock = threading.Lock()
-    if self._events is not None:
-      self._run(lambda: self._events.write_step_summary(0, custom_scalar.pb(LAYOUT)))
     atexit.register(self.close)
 
   def __enter__(self) -> "MoEMetricsWriter":
@@ -187,14 +128,18 @@ class MoEMetricsWriter:
         p = points[step]
         if p.scalars:
           self._log.write_scalars(step, p.scalars)
-        if self._events is not None:
-          self._events.write_step_summary(step, step_summary(p.scalars, p.histograms,
-                                                             self._buckets, p.images))
+        if self._files is not None:
+          self._files.write(step, p.scalars, p.histograms, p.loads, self._buckets)
     self._run(write)
 
   def write_hparams(self, hparams: Mapping[str, Any]) -> None:
     hparams = dict(hparams)
-    self._run(lambda: self._writer.write_hparams(hparams))
+    self._run(lambda: [w.write_hparams(hparams) for w in self._writers])
+
+  def _flush_files(self) -> None:
+    self._log.flush()
+    if self._files is not None:
+      self._files.flush()
 
   def write_step(self, m: StepMetrics, dropless_steps: int | None = None,
                  extra: Mapping[str, float] | None = None) -> None:
@@ -207,10 +152,13 @@ class MoEMetricsWriter:
     points.histograms.update({f"{TOKENS_PER_EXPERT_TAG}/layer_{layer}": record.tokens_per_expert
                               for layer, record in m.layers.items()})
 
-  def write_expert_load(self, step: int, tokens_per_expert: np.ndarray) -> None:
-    """The `moe/expert_load` image of `tokens_per_expert [layers, E]` (an interval's rows),
-    written with the step's other points."""
-    self._step(step).images[EXPERT_LOAD_TAG] = expert_load_image(tokens_per_expert)
+  def write_expert_load(self, step: int, tokens_per_expert: np.ndarray,
+                        first_step: int | None = None) -> None:
+    """The `moe/expert_load` heatmap of `tokens_per_expert [layers, E]`, the rows of steps
+    `first_step` (default `step`) to `step`, written with the step's other points (drawn on
+    the writer's thread: `metrics.expert_load`)."""
+    self._step(step).loads[EXPERT_LOAD_TAG] = (
+        np.asarray(tokens_per_expert), step if first_step is None else first_step)
 
   def write_scalars(self, step: int, scalars: Mapping[str, float]) -> None:
     self._step(step).scalars.update(scalars)
@@ -219,7 +167,7 @@ class MoEMetricsWriter:
     """Writes out everything written so far; `wait=False` queues that and returns (waiting
     only while more than `max_behind` queued flushes are outstanding)."""
     self._hand_over_points()
-    future = self._run(self._writer.flush)
+    future = self._run(self._flush_files)
     if future is None:
       return
     self._flushes.append(future)
@@ -238,7 +186,9 @@ class MoEMetricsWriter:
       if self._pool is not None:
         self._pool.shutdown(wait=True)
     finally:
-      self._writer.close()
+      self._log.close()
+      if self._files is not None:
+        self._files.close()
     if self._error is not None:
       raise RuntimeError(f"writing metrics failed: {self._error!r}") from self._error
 

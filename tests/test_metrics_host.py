@@ -12,7 +12,9 @@ from metrics import Aggregator, AlertConfig, AlertManager, MoEMetrics, MoEMetric
 from metrics.evidence import Evidence
 from metrics.factor_rule import Rule
 from metrics.event_files import read_scalars
-from metrics.step_summaries import grey_png
+from metrics import expert_load, tags
+from metrics.run_folder import run_dir
+from metrics.step_summaries import png_size
 from metrics.writer import DROPLESS_STEPS_TAG
 from moe_hk import MoEStats
 from moe_hk.events import FALLBACK_EVENT, STEP_STATS_EVENT, LayerEvent
@@ -401,29 +403,71 @@ def test_the_background_writer_keeps_order_bounds_its_lag_and_reports_a_failed_w
     broken.close()
 
 
-def test_grey_png_decodes_to_the_image():
-  """The writer's own PNG encoder (images join the step's one summary, no TensorFlow op):
-  TensorFlow's decoder reads back every pixel, rows and columns in place."""
+def test_expert_load_heatmap_has_its_axes_and_a_colour_scale():
+  """`moe/expert_load` as a person reads it: the cells in the diverging map's colours at
+  rows / fair share (here 0, 0.5, 1 and 2.5, clipped to 2), a colour bar beside them, the
+  figure's width fixed and its height growing with the layers."""
+  import matplotlib
   import tensorflow as tf
-  image = np.random.default_rng(0).uniform(-0.2, 1.2, (5, 13, 1))  # clipped to [0, 1]
-  decoded = tf.io.decode_png(grey_png(image)).numpy()
-  assert decoded.shape == (5, 13, 1) and decoded.dtype == np.uint8
-  np.testing.assert_array_equal(decoded, np.round(np.clip(image, 0, 1) * 255))
+  load = np.array([[0, 10, 20, 10], [5, 5, 5, 5], [25, 5, 5, 5]])  # fair shares 10, 5, 10
+  png = expert_load.render(load, 0, 9)
+  image = tf.io.decode_png(png).numpy()[..., :3]
+  assert png_size(png) == (image.shape[1], image.shape[0])
+  assert image.shape[1] == expert_load.WIDTH_PIXELS
+  assert tf.io.decode_png(expert_load.render(np.ones((12, 4)), 0, 0)).shape[0] > image.shape[0]
+  cmap = matplotlib.colormaps[expert_load.COLORMAP]
+  colours = {tuple(c) for c in image.reshape(-1, 3)}
+  for value in (0.0, 0.5, 1.0, 2.0):  # every cell's colour is drawn
+    rgb = tuple(int(c) for c in cmap(value / 2, bytes=True)[:3])
+    assert rgb in colours, (value, rgb)
+  # The colour bar: a column holding most of the map's 256 levels, in order (top: 2x); it is
+  # resampled to its height, so its pixels are within a few units of the map's colours.
+  lut = np.asarray(cmap(np.arange(256), bytes=True))[:, :3].astype(int)
+
+  def levels(column):
+    distance = np.abs(column[:, None, :].astype(int) - lut[None]).sum(-1)
+    return [int(i) for i, d in zip(distance.argmin(1), distance.min(1)) if d <= 6]
+  bar = max((levels(image[:, x]) for x in range(image.shape[1])), key=lambda l: len(set(l)))
+  assert len(set(bar)) > 100 and bar == sorted(bar, reverse=True), len(set(bar))
 
 
-def test_the_factor_story_is_one_custom_scalars_chart(tmp_path):
-  """The run's event file holds TensorBoard's custom-scalars layout: the factor in force, the
-  required and the recommended factor on one chart, the fallback frequency beside it."""
+def test_the_factor_story_leads_the_custom_scalars_layout(tmp_path):
+  """The run's event file holds TensorBoard's custom-scalars layout: first the buffer-factor
+  chart, whose one tag is written in three runs (in force, required, recommended), so three
+  lines in three colours, each named by its run; then the fallback frequency and the fallback
+  layers, each on its own axes. Each tag's first point carries its description."""
   from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
   from tensorboard.plugins.custom_scalar import layout_pb2
-  MoEMetricsWriter(str(tmp_path), asynchronous=False).close()
+  writer = MoEMetricsWriter(str(tmp_path), asynchronous=False)
+  for step in range(3):
+    writer.write_scalars(step, {tags.FACTOR_IN_FORCE_TAG: 2.0,
+                                tags.REQUIRED_FACTOR_TAG: 1.5 + step,
+                                tags.RECOMMENDED_FACTOR_TAG: 3.5, tags.FREQUENCY_TAG: 0.5})
+  writer.close()
   (path,) = glob.glob(f"{tmp_path}/events.out.tfevents.*")
-  [value] = [v for e in EventFileLoader(path).Load() for v in e.summary.value
-             if v.tag == "custom_scalars__config__"]
-  layout = layout_pb2.Layout.FromString(value.tensor.string_val[0])
-  factor, fallbacks = layout.category[0].chart
-  assert list(factor.multiline.tag) == ["^moe/ragged_buffer_factor$",
-                                        "^moe/required_ragged_buffer_factor$",
-                                        "^moe/recommended_ragged_buffer_factor$"]
-  assert list(fallbacks.multiline.tag) == ["^moe/fallback_frequency$",
-                                           "^learning/moe_dropless_fallback_layers$"]
+  values = [v for e in EventFileLoader(path).Load() for v in e.summary.value]
+  [config] = [v for v in values if v.tag == "custom_scalars__config__"]
+  layout = layout_pb2.Layout.FromString(config.tensor.string_val[0])
+  factor, frequency, layers = layout.category[0].chart[:3]
+  assert list(factor.multiline.tag) == [f"^{tags.FACTOR_SERIES_TAG}$"]
+  assert list(frequency.multiline.tag) == [f"^{tags.FREQUENCY_TAG}$"]
+  assert list(layers.multiline.tag) == [f"^{tags.FALLBACK_LAYERS_TAG}$"]
+  described = [v.tag for v in values if v.metadata.summary_description]
+  assert sorted(described) == sorted([tags.FACTOR_IN_FORCE_TAG, tags.REQUIRED_FACTOR_TAG,
+                                      tags.RECOMMENDED_FACTOR_TAG, tags.FREQUENCY_TAG])
+  series = {name: read_scalars(str(tmp_path / name))[tags.FACTOR_SERIES_TAG]
+            for name in tags.FACTOR_SERIES}
+  assert series == {"buffer_factor/in_force": {0: 2.0, 1: 2.0, 2: 2.0},
+                    "buffer_factor/required": {0: 1.5, 1: 2.5, 2: 3.5},
+                    "buffer_factor/recommended": {0: 3.5, 1: 3.5, 2: 3.5}}
+
+
+def test_the_run_folder_is_named_and_kept(tmp_path):
+  """Events go to a folder named after the workdir (TensorBoard's run "default", not "."); a
+  renamed workdir keeps writing to the folder its first start made."""
+  workdir = tmp_path / "default"
+  assert run_dir(str(workdir)) == str(workdir / "default")
+  MoEMetricsWriter(run_dir(str(workdir)), asynchronous=False).close()
+  (workdir / "checkpoints").mkdir()
+  workdir.rename(tmp_path / "renamed")
+  assert run_dir(str(tmp_path / "renamed")) == str(tmp_path / "renamed" / "default")

@@ -16,7 +16,7 @@ import numpy as np
 import metrics
 from launch.planning import autopilot
 from launch.training import console as console_lib, throughput
-from metrics import traffic
+from metrics import tags, traffic
 
 
 class Pending(NamedTuple):
@@ -145,7 +145,7 @@ class Reporter:
                               timed=timed)
       self.dropless_steps += bool(out.get("dropless", False))
       if self.config.moe_metrics:
-        scalars["moe/ragged_buffer_factor"] = p.factor
+        scalars[tags.FACTOR_IN_FORCE_TAG] = p.factor
         self.moe_metrics.report_step(
             p.step, stats, dropless_steps=self.dropless_steps if "dropless" in out else None)
       self.writer.write_scalars(p.step, scalars)

@@ -40,6 +40,7 @@ from launch.training.steps import Steps, abstract_inputs, make_steps
 from metrics import factor_rule, traffic
 from metrics.evidence import Evidence
 from metrics.alerts import ALERTS_FILE
+from metrics.run_folder import run_dir
 from moe_hk import dispatch_plan
 
 
@@ -364,7 +365,7 @@ def _train(run: _Run, state, stop_after: int | None) -> _Loop:
   pilot = None
   try:
     # The run's event files: the trainer's scalars, and the MoE layers' through moe_metrics.
-    with metrics.MoEMetricsWriter(workdir) as writer, metrics.MoEMetrics(
+    with metrics.MoEMetricsWriter(run_dir(workdir)) as writer, metrics.MoEMetrics(
         workdir, worst_case_factor=worst, evidence=_evidence(settings, worst), writer=writer,
         flush_on_sigterm=False, alert_sinks=jax.process_index() == 0) as moe_metrics:
       writer.write_hparams(flat_hparams(settings.config))
