@@ -36,7 +36,7 @@ test-fast: $(STAMP)
 # jax's committed baseline: `make test` runs it on the jax 0.10.2 lane only;
 # `PYENV_VERSION=3.12.1 make test-memory VENV=.venv-3.12` checks jax 0.12's compiler.
 test-memory: $(STAMP)
-	MOE_HK_MEMORY_GUARD=1 $(VENV)/bin/python -m pytest -rs tests/test_memory_guard.py
+	MOE_HK_MEMORY_GUARD=1 $(VENV)/bin/python -m pytest -rs -s tests/test_memory_guard.py
 
 # The tests that need a TPU chip (marked `tpu`; they skip in `make test`), on this host's chip:
 # one process, as one program holds a chip at a time.

@@ -182,10 +182,12 @@ def test_overflowing_run_trains_logs_alerts_records_and_checkpoints(baseline):
         (per_expert == 0).sum(axis=1))
     buckets = read_histograms(workdir)[f"moe/tokens_per_expert/layer_{layer}"]
     np.testing.assert_array_equal([buckets[s][-1, 1] for s in range(8)], per_expert.max(axis=1))
-  # An untrained router is close to uniform over 8 experts: its entropy is just below log 8
-  # (a sign, base or normalisation error lands outside), and it moves as the router trains.
+  # An untrained router is undecided over 8 experts: its entropy is below log 8 and within a
+  # nat of it (1.5-1.8 here: the router's input is mostly the blocks' outputs, alike across
+  # tokens), where a sign error is negative, base 2 up to 3 and a missing normalisation far
+  # above; and it moves as the router trains.
   entropy = [scalars["moe/router_entropy/layer_0"][s] for s in range(8)]
-  assert all(np.log(8) - 0.5 < h < np.log(8) for h in entropy), entropy
+  assert all(np.log(8) - 1 < h < np.log(8) for h in entropy), entropy
   assert len(set(entropy)) > 1, entropy
   images = read_images(workdir)["moe/expert_load"]
   # One per fetch: log_every=10 > 8 steps, so at the first checkpoint (step 1), at the eval
