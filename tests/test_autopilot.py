@@ -193,6 +193,36 @@ def test_compiling_ahead_never_spends_the_last_program_of_the_budget():
     cache.close()
 
 
+def test_a_decision_is_revised_when_the_rule_moves_while_its_program_compiles():
+  """The window full, the rule names 1.125 and its program starts compiling (slowly, in the
+  background). Before it is ready the traffic grows so that the rule keeps 3.0: the decision
+  is dropped, and the finished program is never switched to."""
+  c = _controller(factor=3.0)
+  c.evidence.add_interval(3.0, 5, 1.5)
+  release = threading.Event()
+  def compile_fn(factor):
+    release.wait(10)
+    return autopilot.Program(factor, f"step {factor}", None)
+  cache = autopilot.ProgramCache(compile_fn, budget_bytes=None, max_programs=1)
+  cache.add(autopilot.Program(3.0, "step 3", None))
+  pilot = autopilot.Autopilot(c, cache, on_change=lambda *args: None)
+  try:
+    for _ in range(WINDOW):
+      c.evidence.add_step([1.1], False)
+      pilot.step_finished(steps_left=1000)
+    assert pilot.switch(WINDOW) is None and cache.busy()  # 1.125 compiling
+    for _ in range(WINDOW):
+      c.evidence.add_step([2.9], False)
+      pilot.step_finished(steps_left=1000)
+    assert c.evidence.advice.keep, c.evidence.advice.reason
+    release.set()
+    cache.wait(1.125)
+    assert pilot.switch(2 * WINDOW) is None and c.factor == 3.0
+  finally:
+    release.set()
+    cache.close()
+
+
 def test_a_program_over_the_budget_is_refused_for_good():
   """The rule names 1.125; its program needs 112 bytes against a budget of 100: compiled,
   never run, refused (with every larger factor), and the run stays at its factor."""

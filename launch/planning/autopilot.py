@@ -279,12 +279,16 @@ class Autopilot:
     self.cache.compiled = int(state["compiled"])
 
   def step_finished(self, steps_left: int) -> None:
-    """A step reached the evidence: decide, or compile the likely move ahead."""
+    """A step reached the evidence: decide, or compile the likely move ahead. A decision
+    whose program is still compiling is revised when the rule's answer moves meanwhile: it
+    is dropped (the factor in force kept) or replaced by the new answer."""
     self.controller.since_change += 1
-    if self._decision is not None:
-      return
     known = self.cache.known_factors()
     decision = self.controller.propose(steps_left, self.compile_seconds, known)
+    if self._decision is not None:
+      if decision is not None and decision.factor == self._decision.factor:
+        return
+      self._decision = None
     if decision is not None:
       if self.cache.request(decision.factor):
         self._decision = decision
