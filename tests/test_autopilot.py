@@ -195,8 +195,9 @@ def test_compiling_ahead_never_spends_the_last_program_of_the_budget():
 
 def test_a_decision_is_revised_when_the_rule_moves_while_its_program_compiles():
   """The window full, the rule names 1.125 and its program starts compiling (slowly, in the
-  background). Before it is ready the traffic grows so that the rule keeps 3.0: the decision
-  is dropped, and the finished program is never switched to."""
+  background). An answer that moves the same way (1.25) keeps it; before it is ready the
+  traffic grows so that the rule keeps 3.0: the decision is dropped, and the finished program
+  is never switched to."""
   c = _controller(factor=3.0)
   c.evidence.add_interval(3.0, 5, 1.5)
   release = threading.Event()
@@ -211,6 +212,9 @@ def test_a_decision_is_revised_when_the_rule_moves_while_its_program_compiles():
       c.evidence.add_step([1.1], False)
       pilot.step_finished(steps_left=1000)
     assert pilot.switch(WINDOW) is None and cache.busy()  # 1.125 compiling
+    c.evidence.add_step([1.2], False)
+    pilot.step_finished(steps_left=1000)
+    assert c.evidence.advice.factor == 1.25 and pilot._decision.factor == 1.125
     for _ in range(WINDOW):
       c.evidence.add_step([2.9], False)
       pilot.step_finished(steps_left=1000)

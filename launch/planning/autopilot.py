@@ -280,13 +280,16 @@ class Autopilot:
 
   def step_finished(self, steps_left: int) -> None:
     """A step reached the evidence: decide, or compile the likely move ahead. A decision
-    whose program is still compiling is revised when the rule's answer moves meanwhile: it
-    is dropped (the factor in force kept) or replaced by the new answer."""
+    whose program is still compiling is dropped when the rule's answer turns meanwhile: to
+    the factor in force, or the other way (then the new answer is decided). An answer that
+    only moves further the same way keeps it: its program lands, and the next window
+    refines it."""
     self.controller.since_change += 1
     known = self.cache.known_factors()
     decision = self.controller.propose(steps_left, self.compile_seconds, known)
     if self._decision is not None:
-      if decision is not None and decision.factor == self._decision.factor:
+      up = lambda d: d.factor > self.factor
+      if decision is not None and up(decision) == up(self._decision):
         return
       self._decision = None
     if decision is not None:
