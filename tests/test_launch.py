@@ -394,6 +394,7 @@ def test_a_second_ctrl_c_exits_at_once(monkeypatch, capsys):
   complete one restores (an abrupt kill mid-run: the lost-process test below resumes)."""
   exits = []
   monkeypatch.setattr(trainer.os, "_exit", exits.append)
+  before = signal.getsignal(signal.SIGINT)  # pytest's; SIG_IGN when started in the background
   stop = trainer._Stop()
   try:
     stop._handle(signal.SIGINT, None)
@@ -405,7 +406,7 @@ def test_a_second_ctrl_c_exits_at_once(monkeypatch, capsys):
         "checkpoint stays as it is).\n")
   finally:
     stop.restore()
-  assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # pytest's again
+  assert signal.getsignal(signal.SIGINT) is before
 
 
 def _alerts(workdir, since: bool = False) -> list[tuple]:
