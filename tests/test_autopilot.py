@@ -32,18 +32,17 @@ def _steps(c: autopilot.FactorController, required, fell_back=None) -> None:
 
 
 def test_follows_the_rules_frequency_pick_after_a_full_window():
-  """Started at 3, the window's steps need at most 1.9 (1 of 20 above 1.5): the rule names the
-  smallest factor that would have fallen back on at most 5% of them, never timed; the
-  controller moves there once the window is full, not before, and then keeps it."""
+  """Started at 3 (timed), the window's steps need at most 1.9 (1 of 20 above 1.5): the rule
+  names the smallest factor that would have fallen back on at most 5% of them, never timed,
+  from its 10th step on; the controller moves there once the window is full, not before, and
+  then keeps it."""
   c = _controller(target=0.05)
+  c.evidence.add_interval(3.0, 5, 1.5)  # the factor in force is timed: only the window waits
   required = [1.1] * 19 + [1.9]
   for r in required:
-    assert c.propose() is None  # a window must pass first
+    assert c.propose() is None, c.since_change  # a window must pass first
     _steps(c, [r])
   assert c.evidence.advice.factor == 1.125
-  assert c.propose() is None  # and the factor in force must have been timed
-  c.evidence.add_interval(3.0, 5, 1.5)
-  _steps(c, [1.1])
   decision = c.propose()
   assert decision.factor == 1.125 and decision.reason == "frequency"
   assert decision.evidence["predicted_frequency"] == pytest.approx(0.05)
@@ -53,6 +52,17 @@ def test_follows_the_rules_frequency_pick_after_a_full_window():
   assert c.factor == 1.125 and c.evidence.advice.keep
   _steps(c, required)
   assert c.propose() is None  # the rule now says keep
+
+
+def test_the_factor_in_force_is_timed_before_the_rule_moves_it():
+  """A full window names 1.125, but the factor in force has no timed interval yet: no move
+  until it has one."""
+  c = _controller(target=0.05)
+  _steps(c, [1.1] * 19 + [1.9])
+  assert c.evidence.advice.factor == 1.125 and c.propose() is None
+  c.evidence.add_interval(3.0, 5, 1.5)
+  _steps(c, [1.1])  # the rule is evaluated once per finished step
+  assert c.propose().factor == 1.125
 
 
 def test_raises_at_once_on_a_burst_of_fallbacks_and_not_on_one():

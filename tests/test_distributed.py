@@ -146,8 +146,9 @@ def lost(processes):
 
 watchdog = Watchdog(Store(), 0, 2, timeout_s=1.0, on_lost=lost, period_s=0.1).start()
 watchdog.catch_aborts()
-if {stopped}:  # the run's work is done
+if {stopped}:  # the run's work is done; the peer stays silent past the timeout: no verdict
   watchdog.stop()
+  time.sleep(2.5)
 # A thread outside Python's locks aborts, as gloo's does (ctypes releases the GIL for the call).
 threading.Thread(target=ctypes.CDLL(None).abort, name="native").start()
 time.sleep(30)
@@ -181,9 +182,10 @@ def test_an_abort_waits_for_the_watchdogs_verdict(beats):
 
 
 def test_a_stopped_watchdog_judges_nothing_and_leaves_aborts_alone():
-  """Once the run's work is done (`stop`), a silent peer (one that finished and exited) is
-  not lost, and an abort (gloo's teardown) is SIGABRT at once: no verdict, no tracebacks
-  from the handler, which runs Python an exiting interpreter no longer runs."""
+  """Once the run's work is done (`stop`), a peer silent for more than twice the timeout (one
+  that finished and exited) is not lost, and an abort (gloo's teardown) then is SIGABRT at
+  once: no verdict, no tracebacks from the handler, which runs Python an exiting interpreter
+  no longer runs."""
   child, _ = _aborting_process(beats=False, stopped=True)
   assert child.returncode == -signal.SIGABRT, (child.returncode, child.stderr[-2000:])
   assert "lost" not in child.stderr and "most recent call first" not in child.stderr
