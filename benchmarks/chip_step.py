@@ -46,14 +46,13 @@ def measure(config, steps: int, warmup: int, profile_dir: str = "") -> dict:
   import jax
   import numpy as np
   import moe_hk
-  from launch.training import steps as steps_lib, throughput
+  from launch.training import memory, steps as steps_lib, throughput
   settings = settings_lib.build(config, jax.device_count())
   mesh = moe_hk.make_mesh(**settings.mesh, devices=jax.devices())
   program = steps_lib.make_steps(settings, mesh)
   started = time.perf_counter()
   compiled = program.train.lower(*steps_lib.abstract_inputs(config, program)).compile()
   compile_s = time.perf_counter() - started
-  analysis = compiled.memory_analysis()
   state = program.init(jax.random.key(config.seed))
   rng = np.random.default_rng(config.data.seed)
   shape = (config.data.batch_size, config.data.seq_len + 1)
@@ -87,9 +86,8 @@ def measure(config, steps: int, warmup: int, profile_dir: str = "") -> dict:
       "fallback_layers_last_step": int(np.sum(out["moe_stats"].fallback)),
       "peak_bytes_in_use": stats.get("peak_bytes_in_use"),
       "bytes_limit": stats.get("bytes_limit"),
-      "aot_total_bytes": (analysis.argument_size_in_bytes + analysis.output_size_in_bytes +
-                          analysis.temp_size_in_bytes - analysis.alias_size_in_bytes),
-      "aot_temp_bytes": analysis.temp_size_in_bytes,
+      "aot_total_bytes": memory.total_memory_bytes(compiled),
+      "aot_temp_bytes": compiled.memory_analysis().temp_size_in_bytes,
   }
 
 
