@@ -76,9 +76,8 @@ def run(name: str, path: str, steps: int, from_step: int) -> dict:
     with open(os.path.join(path, "alerts.jsonl")) as f:
       for alert in map(json.loads, f):
         if alert["rule"] == "buffer_factor_changed":
-          d = alert["details"]
-          changes.append({"step": alert["step"], "from": d["old_factor"], "to": d["new_factor"],
-                          "reason": d["reason"]})
+          changes.append({"step": alert["step"], "from": alert["old_factor"],
+                          "to": alert["new_factor"], "reason": alert["reason"]})
   tokens = settings.config.data.batch_size * settings.config.data.seq_len
   advice = replay.advise(replay.window(read_traffic(path), 100), rule=factor_rule.Rule())
   return {"run": name, "factor": settings.layer.ragged_buffer_factor, "autopilot": fixed is None,

@@ -26,7 +26,7 @@ import numpy as np
 import moe_hk
 from benchmarks import fallback_overhead, timing
 from launch import platform, results
-from moe_hk import dispatch_plan, fallback, routing
+from moe_hk import buffer_size, fallback, routing
 
 SETTING = dict(num_experts=16, num_experts_per_tok=2, emb_dim=256, mlp_dim=512,
                ragged_buffer_factor=1.5, moe_dropless_fallback="none")  # capped: drops rows
@@ -102,8 +102,8 @@ def first_layer_rung(variant: str, params, x) -> fallback.Rung:
   config = moe_hk.MoEConfig(**SETTING)
   k, e = config.num_experts_per_tok, config.num_experts
   batch, tokens = BATCH // SHARDS, BATCH // SHARDS * SEQ
-  rows = dispatch_plan.buffer_rows(SHARDS, tokens, k, e // SHARDS, config.ragged_buffer_factor)
-  plan = dict(capped_rows=rows, worst_rows=dispatch_plan.worst_case_rows(
+  rows = buffer_size.buffer_rows(SHARDS, tokens, k, e // SHARDS, config.ragged_buffer_factor)
+  plan = dict(capped_rows=rows, worst_rows=buffer_size.worst_case_rows(
       SHARDS, tokens, k, e // SHARDS), max_chunks=fallback.fallback_num_chunks(
           batch=batch, seq=SEQ, k=k, shards=SHARDS, local_experts=e // SHARDS, rows=rows))
   if variant == "capped":

@@ -29,7 +29,7 @@ import metrics
 import moe_hk
 from benchmarks import fallback_memory, fallback_overhead, timing
 from launch import platform, results
-from moe_hk import dispatch_plan
+from moe_hk import buffer_size
 
 
 def make_step(config, mesh, layers: int):
@@ -64,7 +64,7 @@ def main():
                        args.layers)
   workdir = tempfile.mkdtemp()
   moe_metrics = metrics.MoEMetrics(
-      workdir, worst_case_factor=dispatch_plan.worst_case_factor(8, 2, 8), flush_on_sigterm=False)
+      workdir, worst_case_factor=buffer_size.worst_case_factor(8, 2, 8), flush_on_sigterm=False)
   counter = iter(range(10**9))
 
   def on_from_step():

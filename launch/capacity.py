@@ -59,6 +59,7 @@ from launch.errors import user_errors
 from launch.planning import capacity_report as report, replay
 from metrics import factor_rule
 from metrics.traffic import Traffic, read_traffic
+from moe_hk import buffer_size
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Workdir of a launch.train run (its traffic/).",
                                required=True)
@@ -133,8 +134,9 @@ def capped_times(config: ml_collections.ConfigDict, traffic: Traffic, factors: S
   timed = capped_timing.capped_step_seconds(
       settings, [*factors, float(traffic.factors[-1])], steps=steps, rounds=rounds,
       progress=lambda line: print(f"--time_config: {line}", file=sys.stderr, flush=True))
-  worst = replay.worst_case_factor(traffic.counts.shape[-1], traffic.k, traffic.expert_shards)
-  return {(f if f > 0 else worst): factor_rule.Price(s, se, "timed")
+  worst = buffer_size.worst_case_factor(traffic.counts.shape[-1], traffic.k,
+                                       traffic.expert_shards)
+  return {buffer_size.factor_in_force(f, worst): factor_rule.Price(s, se, "timed")
           for f, (s, se) in timed.items()}
 
 

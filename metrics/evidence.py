@@ -61,6 +61,12 @@ class Evidence:
     included); it prices `factor` from the next step's advice on."""
     self._intervals.append((float(factor), int(steps), float(seconds)))
 
+  def refuse(self, factor: float) -> None:
+    """`factor`'s program did not fit the memory budget: from now on no factor from it up
+    fits (`fits`)."""
+    self.refused.add(float(factor))
+    self.advice = self._advise()
+
   def set_factor(self, factor: float) -> None:
     """The factor in force is now `factor` (the advice says "keep" of it)."""
     self.factor = float(factor)

@@ -11,14 +11,14 @@ layer of it that fell back).
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 import jax
 import numpy as np
 
 from metrics.aggregator import Aggregator, StepMetrics, layer_record
 from metrics.evidence import Evidence
-from metrics.alerts import Alert, AlertConfig, AlertManager
+from metrics.alerts import AlertManager
 from metrics.writer import DROPLESS_STEPS_TAG, MoEMetricsWriter
 from moe_hk import events
 
@@ -33,22 +33,18 @@ class MoEMetrics:
   """
 
   def __init__(self, workdir: str, *, worst_case_factor: float, evidence: Evidence | None = None,
-               alert_config: AlertConfig = AlertConfig(),
-               alert_callback: Callable[[Alert], None] | None = None,
-               hparams: Mapping[str, Any] | None = None, asynchronous: bool = True,
-               flush_on_sigterm: bool = True, writer: MoEMetricsWriter | None = None,
-               alert_sinks: bool = True):
+               alerts: AlertManager | None = None, hparams: Mapping[str, Any] | None = None,
+               asynchronous: bool = True, flush_on_sigterm: bool = True,
+               writer: MoEMetricsWriter | None = None):
     # The factor rule's evidence (`metrics.evidence`): the run's, or a default window.
     self.aggregator = Aggregator(Evidence(worst_case=worst_case_factor) if evidence is None
                                  else evidence)
     # A writer passed in belongs to the caller, who closes it; otherwise one of its own.
     self._owns_writer = writer is None
     self.writer = MoEMetricsWriter(workdir, asynchronous=asynchronous) if writer is None else writer
-    # alert_sinks=False (a multi-process run's processes other than 0): the rules still run,
-    # but nothing is logged or written.
-    self.alerts = AlertManager(worst_case_factor=worst_case_factor,
-                               workdir=workdir if alert_sinks else None,
-                               callback=alert_callback, config=alert_config, log=alert_sinks)
+    # The run's alerts (rules and sink), or the default rules writing to `workdir`.
+    self.alerts = (AlertManager(worst_case_factor=worst_case_factor, workdir=workdir)
+                   if alerts is None else alerts)
     if hparams:
       self.writer.write_hparams(hparams)
     if flush_on_sigterm:
@@ -80,12 +76,17 @@ class MoEMetrics:
       self._interval_load = self._interval_load + load
     return self._finish(step, dropless_steps, extra_scalars)
 
-  def end_interval(self, step: int, wait: bool = True) -> None:
+  def write_expert_load(self, step: int) -> None:
     """Writes the `moe/expert_load` image of the rows reported since the last call, at
-    `step`, and flushes the writer (`wait=False`: queues the flush, `MoEMetricsWriter.flush`)."""
+    `step` (nothing when none were)."""
     if self._interval_load is not None:
       self.writer.write_expert_load(step, self._interval_load, self._interval_first)
       self._interval_load = None
+
+  def end_interval(self, step: int, wait: bool = True) -> None:
+    """`write_expert_load(step)`, then flushes the writer (`wait=False`: queues the flush,
+    `MoEMetricsWriter.flush`)."""
+    self.write_expert_load(step)
     self.writer.flush(wait=wait)
 
   def end_step(self, step: int, *, dropless_steps: int | None = None,

@@ -1,4 +1,5 @@
-"""Dispatch plan of the ragged all-to-all: buffer size, traffic, truncation, exchange arguments.
+"""Dispatch plan of the ragged all-to-all: traffic, truncation, exchange arguments (the buffer's
+size: `moe_hk.buffer_size`).
 
 Shapes (per expert-parallel shard): P shards on the expert axis, E experts, L = E / P local
 experts (shard j owns experts j*L .. j*L+L-1), T local tokens, K experts per token,
@@ -15,36 +16,10 @@ receiver 0 gets 3 rows from shard 0 and 1 from shard 1 (all fit, 4 <= 4); receiv
 """
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-
-
-def worst_case_rows(num_shards: int, tokens: int, k: int, local_experts: int) -> int:
-  """Largest receive count any shard can see: every token of every shard sends min(K, L) rows."""
-  return num_shards * tokens * min(k, local_experts)
-
-
-def worst_case_factor(num_experts: int, k: int, expert_shards: int) -> float:
-  """The buffer factor whose buffer is the worst case: min(P, E / K) (`worst_case_rows` over
-  the balanced T * K rows)."""
-  return min(expert_shards, num_experts / k)
-
-
-def buffer_rows(num_shards: int, tokens: int, k: int, local_experts: int, factor: float) -> int:
-  """Receive-buffer rows R: `floor(N * factor)` capped at the worst case; `factor=-1` is the
-  worst case."""
-  worst = worst_case_rows(num_shards, tokens, k, local_experts)
-  if factor == -1:
-    return worst
-  rows = min(math.floor(tokens * k * factor), worst)
-  if rows < 1:
-    raise ValueError(
-        f"ragged_buffer_factor={factor} leaves a receive buffer of {rows} rows for "
-        f"{tokens * k} routed rows per shard; it must be >= {1 / (tokens * k):.6g}.")
-  return rows
 
 
 def traffic_matrix(counts: jax.Array) -> jax.Array:

@@ -37,7 +37,8 @@ from typing import Callable, Iterator, NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 
-from moe_hk.dispatch_plan import chunk_receiver_rows, worst_case_rows
+from moe_hk.buffer_size import worst_case_rows
+from moe_hk.dispatch_plan import chunk_receiver_rows
 from moe_hk.routing import tokens_per_expert
 
 # loop(body, n): runs body(i) for chunk i = 0 .. n - 1 (each `[T / n, ...]`) and stacks the

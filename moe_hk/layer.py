@@ -11,8 +11,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 
-from moe_hk import fallback, mesh as mesh_lib
+from moe_hk import mesh as mesh_lib
 from moe_hk.config import MoEConfig
+from moe_hk.expert_types import LayerCall
 from moe_hk.mesh_forward import MoEParams, forward_after_check, param_specs
 from moe_hk.stats import MoEStats
 
@@ -118,10 +119,9 @@ class MoELayer(hk.Module):
     # ValueError, not with jax's sharding errors from the initializers.
     mesh_lib.check_layer(self.config, self.mesh, x.shape, x.dtype)
     params = _get_params(self.config, self.mesh)
-    y, stats = forward_after_check(params, x, config=self.config, mesh=self.mesh,
-                                   step=None if hk.running_init() else step,
-                                   layer_index=layer_index, force_dropless=force_dropless,
-                                   after_overflow=after_overflow)
+    call = LayerCall(None if hk.running_init() else step, layer_index, force_dropless,
+                     after_overflow)
+    y, stats = forward_after_check(params, x, config=self.config, mesh=self.mesh, call=call)
     if return_stats:
       return y, stats
     hk.set_state("stats", stats)

@@ -14,10 +14,10 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
-from moe_hk import casting, fallback, mesh as mesh_lib
+from moe_hk import casting, mesh as mesh_lib
 from moe_hk.config import MoEConfig
 from moe_hk.events import emit_layer_event
-from moe_hk.ragged_path import Backends, ExpertWeights
+from moe_hk.expert_types import Backends, ExpertWeights, LayerCall
 from moe_hk.shard_forward import builds_fallback, moe_shard
 from moe_hk.stats import MoEStats, reduce_stats
 
@@ -151,36 +151,35 @@ def moe_forward(params: MoEParams, x: jax.Array, *, config: MoEConfig, mesh: Mes
       platform. Each in one line naming the value.
   """
   mesh_lib.check_layer(config, mesh, x.shape, x.dtype)
-  return forward_after_check(params, x, config=config, mesh=mesh, step=step,
-                             layer_index=layer_index, force_dropless=force_dropless,
-                             after_overflow=after_overflow)
+  return forward_after_check(params, x, config=config, mesh=mesh, call=LayerCall(
+      step, layer_index, force_dropless, after_overflow))
 
 
 def forward_after_check(params: MoEParams, x: jax.Array, *, config: MoEConfig, mesh: Mesh,
-                        step: jax.Array | int | None = None,
-                        layer_index: jax.Array | int | None = None,
-                        force_dropless: bool = False,
-                        after_overflow: jax.Array | bool | None = None
-                        ) -> tuple[jax.Array, MoEStats]:
+                        call: LayerCall = LayerCall()) -> tuple[jax.Array, MoEStats]:
   """`moe_forward` once `moe_hk.mesh.check_layer` passed for this mesh and input (`MoELayer`
-  checks before it creates its parameters, then calls this)."""
+  checks before it creates its parameters, then calls this); `call` holds the rest of
+  `moe_forward`'s arguments."""
   step_mode = config.moe_dropless_fallback == "step"
-  if after_overflow is not None and not step_mode:
+  if call.after_overflow is not None and not step_mode:
     raise ValueError("after_overflow is only for moe_dropless_fallback='step', not "
                      f"{config.moe_dropless_fallback!r}.")
-  after = jnp.asarray(False if after_overflow is None else after_overflow, bool)
+  after = jnp.asarray(False if call.after_overflow is None else call.after_overflow, bool)
   backends = resolve_backends(config, mesh)
   batch = mesh_lib.batch_spec(mesh)
   axes = tuple(mesh.axis_names)
   stats_specs = MoEStats(*([P()] * len(MoEStats._fields)))
+  step, layer_index = call.step, call.layer_index
   labels = jnp.asarray([0 if step is None else step, 0 if layer_index is None else layer_index],
                        jnp.int32)
 
   def shard_fn(x_local, after_local, router_w, wi_0, wi_1, wo):
     experts = _gather_fsdp(ExpertWeights(wi_0, wi_1, wo), mesh, config)
+    # What a shard reads of the call; the flag is the shard's copy of `after`.
+    local_call = LayerCall(force_dropless=call.force_dropless,
+                           after_overflow=after_local if step_mode else None)
     y, local = moe_shard(x_local, router_w, experts, config=config, backends=backends,
-                         mesh_axes=axes, force_dropless=force_dropless,
-                         after_overflow=after_local if step_mode else None)
+                         mesh_axes=axes, call=local_call)
     return y, reduce_stats(local, mesh, config)
 
   specs = param_specs(config, mesh)
@@ -190,7 +189,7 @@ def forward_after_check(params: MoEParams, x: jax.Array, *, config: MoEConfig, m
                      out_specs=(batch, stats_specs), check_vma=backends.gmm != "megablox")
   y, stats = fn(x, after, *params)
   every_step = config.stream_step_stats
-  can_fall_back = not force_dropless and builds_fallback(
+  can_fall_back = not call.force_dropless and builds_fallback(
       config, shards=mesh.shape[config.expert_axis], tokens=x.shape[0] // mesh.size * x.shape[1])
   if step is not None and (every_step or (can_fall_back and config.emit_fallback_events)):
     # Outside shard_map: the stats are replicated, so one callback per step and layer (two

@@ -10,30 +10,15 @@ the senders' slots -> unsort -> weighted sum over K. Dropped rows come back as e
 """
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import jax
 import jax.numpy as jnp
 
 from moe_hk import dispatch_plan
 from moe_hk.all_to_all import ragged_all_to_all
 from moe_hk.config import MoEConfig
+from moe_hk.expert_types import Backends, ExpertWeights
 from moe_hk.grouped_matmul import expert_mlp
 from moe_hk.routing import tokens_per_expert
-
-
-class ExpertWeights(NamedTuple):
-  """This shard's experts (already gathered over fsdp)."""
-  wi_0: jax.Array  # [L, D, F]
-  wi_1: jax.Array  # [L, D, F]
-  wo: jax.Array    # [L, F, D]
-
-
-class Backends(NamedTuple):
-  """Concrete implementations, resolved from 'auto' for the mesh's platform."""
-  a2a: str  # 'native' | 'emulated'
-  gmm: str  # 'ragged_dot' | 'blocked' | 'megablox'
-  interpret: bool = False  # Run 'megablox' in Pallas's interpreter (a CPU mesh).
 
 
 def combine_rows(rows: jax.Array, weights: jax.Array) -> jax.Array:

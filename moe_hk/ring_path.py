@@ -14,7 +14,8 @@ import jax
 import jax.numpy as jnp
 
 from moe_hk.config import MoEConfig
-from moe_hk.ragged_path import Backends, ExpertWeights, grouped_experts_mlp, grouped_rows
+from moe_hk.expert_types import Backends, ExpertWeights
+from moe_hk.ragged_path import grouped_experts_mlp, grouped_rows
 
 
 def ring_moe(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, experts: ExpertWeights,

@@ -3,128 +3,207 @@
 Shapes: B local batch, S sequence, D model width, E experts, K experts per token, P expert
 shards, L = E / P local experts, T = B * S local tokens, R capped buffer rows.
 
-Routing happens once, here, for both branches: the load-balance loss, tokens per expert and
-the overflow check all come from the full step's routing, never from a chunk. A token whose
-router logits are not all finite is routed to no expert (`moe_hk.routing`): no path sends its
-rows, and its output row is NaN.
+`moe_shard` runs the layer's stages, each a function here:
+
+1. `size`: the shard's shape and its capped and worst-case buffers (`moe_hk.buffer_size`).
+2. route: `moe_hk.routing.route`, once for both paths: the load-balance loss, tokens per
+   expert and the overflow check all come from the full step's routing, never from a chunk.
+3. `check`: every shard's rows per expert all-gathered, the rows beyond each receiver's buffer.
+4. `exchange_or_fall_back`: the capped exchange, or (when a buffer would overflow) the chunked
+   dropless fallback, or the worst-case buffer; each path exchanges, runs the experts and
+   combines a token's K rows (`moe_hk.ragged_path`, `moe_hk.ring_path`).
+5. `shard_stats`: the shard's `MoEStats`.
+
+A token whose router logits are not all finite is routed to no expert (`moe_hk.routing`): no
+path sends its rows, and its output row is NaN.
 """
 from __future__ import annotations
 
 import functools
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from moe_hk import dispatch_plan, fallback, routing as routing_lib
+from moe_hk import buffer_size, dispatch_plan, fallback, routing as routing_lib
 from moe_hk.config import MoEConfig
-from moe_hk.ragged_path import Backends, ExpertWeights, gather_counts, ragged_moe
+from moe_hk.expert_types import Backends, ExpertWeights, LayerCall
+from moe_hk.ragged_path import gather_counts, ragged_moe
 from moe_hk.ring_path import ring_moe
 from moe_hk.stats import MoEStats
 
 
-def moe_shard(x: jax.Array, router_w: jax.Array, experts: ExpertWeights, *, config: MoEConfig,
-              backends: Backends, mesh_axes: tuple[str, ...], force_dropless: bool = False,
-              after_overflow: jax.Array | None = None) -> tuple[jax.Array, MoEStats]:
-  """`x [B, S, D]` -> `(y [B, S, D], MoEStats)` on one shard, the stats this shard's view
-  before `moe_hk.stats.reduce_stats` (`moe_hk.stats.REDUCTIONS` says what each field holds).
+class ShardSize(NamedTuple):
+  """One shard's shape and receive buffers."""
+  batch: int
+  seq: int
+  width: int
+  k: int
+  shards: int        # P, on the expert axis
+  local: int         # L
+  capped_rows: int   # R: the buffer of `ragged_buffer_factor`
+  worst_rows: int    # the worst case's buffer
 
-  Picks, statically, one of: the worst-case buffer (`force_dropless`); the capped path behind
-  an overflow check that falls back to the chunked dropless path (`moe_dropless_fallback`
-  'layer' or 'step'; 'layer' with adaptive chunking falls back to the first rung of
-  `fallback.traffic_ladder` whose chunks fit, chosen at run time); or the capped path alone.
-  In 'step' mode the check also takes the chunked path when `after_overflow` (bool scalar, the
-  same on every device) says an earlier MoE layer of the step overflowed.
-  """
-  batch, seq, width = x.shape
-  tokens, k = batch * seq, config.num_experts_per_tok
-  shards = jax.lax.axis_size(config.expert_axis)
+  @property
+  def tokens(self) -> int:
+    return self.batch * self.seq
+
+
+class Check(NamedTuple):
+  """The overflow check on the step's routing, the same on every shard of an expert group."""
+  traffic: jax.Array     # [P, P] int32: rows sender i routes to shard j's experts
+  would_drop: jax.Array  # int32 scalar: rows of the group beyond the receivers' buffers
+
+
+class Ran(NamedTuple):
+  """What the path that ran did."""
+  y: jax.Array           # [B, S, D] float32
+  fallback: jax.Array    # int32 scalar: 1 if the chunked dropless path ran
+  dropped: jax.Array     # int32 scalar: rows dropped (none when the fallback ran)
+  chunks: jax.Array      # int32 scalar: the chunks the fallback ran (0: it did not)
+
+
+def size(x_shape: tuple[int, int, int], config: MoEConfig) -> ShardSize:
+  """The shape of this shard's input `x_shape = (B, S, D)` and its buffers (inside
+  shard_map: P is the expert axis' size)."""
+  batch, seq, width = x_shape
+  k, shards = config.num_experts_per_tok, jax.lax.axis_size(config.expert_axis)
   local = config.num_experts // shards
-  capped_rows = dispatch_plan.buffer_rows(shards, tokens, k, local, config.ragged_buffer_factor)
-  worst_rows = dispatch_plan.worst_case_rows(shards, tokens, k, local)
+  return ShardSize(
+      batch, seq, width, k, shards, local,
+      capped_rows=buffer_size.buffer_rows(shards, batch * seq, k, local,
+                                          config.ragged_buffer_factor),
+      worst_rows=buffer_size.worst_case_rows(shards, batch * seq, k, local))
 
-  route = routing_lib.route(x.reshape(tokens, width), router_w, k, config.router_score,
-                            config.norm_topk_prob)
-  # The capped path gathers these [P, E] counts again inside `path`: a few ints per shard,
-  # kept so both paths share one signature and the custom_vjp's branches stay self-contained.
+
+def check(route: routing_lib.Routing, config: MoEConfig, shard: ShardSize) -> Check:
+  """Every shard's routed rows per expert, all-gathered, and the rows beyond the capped
+  buffers. The capped path gathers the counts again inside its branch: a few ints per shard,
+  kept so both paths share one signature and the recomputing branches stay self-contained."""
   traffic = dispatch_plan.traffic_matrix(gather_counts(route.expert_ids, config))
-  would_drop = dispatch_plan.overflow_rows(traffic, capped_rows)
+  return Check(traffic, dispatch_plan.overflow_rows(traffic, shard.capped_rows))
 
-  path = ring_moe if config.use_ring_of_experts else ragged_moe
-  run = functools.partial(path, config=config, backends=backends)
-  ids = route.expert_ids.reshape(batch, seq, k)
-  weights = route.weights.reshape(batch, seq, k)
 
-  def nan_unrouted(y, expert_ids):
-    # Each branch's output, inside the branch (routing.nan_where_unrouted says why there).
-    return routing_lib.nan_where_unrouted(y.reshape(tokens, width),
-                                          expert_ids.reshape(tokens, k),
-                                          config.num_experts).reshape(batch, seq, width)
+class _Paths:
+  """The ways one shard can run its experts, each `(operands, expert_ids [B, S, K]) -> y`
+  with operands `(x [B, S, D], weights [B, S, K], experts)`, each making the rows of an
+  unrouted token NaN inside its own branch (`routing.nan_where_unrouted` says why there)."""
 
-  def capped(operands, expert_ids):
-    x_, weights_, experts_ = operands
-    return nan_unrouted(run(x_.reshape(tokens, width), expert_ids.reshape(tokens, k),
-                            weights_.reshape(tokens, k), experts_, rows=capped_rows), expert_ids)
+  def __init__(self, config: MoEConfig, backends: Backends, shard: ShardSize):
+    self.config, self.shard = config, shard
+    path = ring_moe if config.use_ring_of_experts else ragged_moe
+    self.run = functools.partial(path, config=config, backends=backends)
 
-  def chunked(rung):
-    # rung.rows <= the fixed rung's <= capped_rows; below a chunk's worst case, a rung runs
-    # only when its chunks' actual traffic fits (see `adaptive_rung`), so no rung drops a row.
+  def _nan_unrouted(self, y: jax.Array, expert_ids: jax.Array) -> jax.Array:
+    s = self.shard
+    return routing_lib.nan_where_unrouted(
+        y.reshape(s.tokens, s.width), expert_ids.reshape(s.tokens, s.k),
+        self.config.num_experts).reshape(s.batch, s.seq, s.width)
+
+  def buffer(self, rows: int) -> Callable:
+    """The whole shard's rows through one buffer of `rows` rows (capped or worst case)."""
+    s = self.shard
+    def run_buffer(operands, expert_ids):
+      x, weights, experts = operands
+      return self._nan_unrouted(self.run(x.reshape(s.tokens, s.width),
+                                         expert_ids.reshape(s.tokens, s.k),
+                                         weights.reshape(s.tokens, s.k), experts, rows=rows),
+                                expert_ids)
+    return run_buffer
+
+  def chunked(self, rung: fallback.Rung) -> Callable:
+    """The chunked dropless path of `rung`: rung.rows <= the fixed rung's <= the capped
+    buffer's; below a chunk's worst case, a rung runs only when its chunks' actual traffic
+    fits (`adaptive_rung`), so no rung drops a row."""
     def run_chunks(operands, expert_ids):
-      x_, weights_, experts_ = operands
+      x, weights, experts = operands
       def chunk(x_c, ids_c, weights_c):
-        return run(x_c, ids_c, weights_c, experts_, rows=rung.rows)
-      return nan_unrouted(fallback.chunked_dropless(chunk, x_, (expert_ids, weights_),
-                                                    rung.chunks), expert_ids)
+        return self.run(x_c, ids_c, weights_c, experts, rows=rung.rows)
+      return self._nan_unrouted(
+          fallback.chunked_dropless(chunk, x, (expert_ids, weights), rung.chunks), expert_ids)
     return run_chunks
 
-  def fixed():
-    num_chunks = fallback.fallback_num_chunks(
-        batch=batch, seq=seq, k=k, shards=shards, local_experts=local, rows=capped_rows,
-        requested=config.dropless_fallback_num_chunks)
-    return fallback.fixed_rung(capped_rows=capped_rows, worst_rows=worst_rows,
-                               max_chunks=num_chunks)
 
-  operands = (x, weights, experts)
-  zero = jnp.zeros((), jnp.int32)
-  if force_dropless:
-    y = nan_unrouted(run(x.reshape(tokens, width), route.expert_ids, route.weights, experts,
-                         rows=worst_rows), ids)
-    ran_fallback, dropped, chunks = zero, zero, zero
-  elif builds_fallback(config, shards=shards, tokens=tokens):
-    last = fixed()
-    if config.moe_dropless_fallback == "layer" and config.dropless_fallback_chunking == "adaptive":
-      rungs = fallback.traffic_ladder(seq=seq, capped_rows=capped_rows, worst_rows=worst_rows,
-                                      max_chunks=last.chunks)
-      index = adaptive_rung(ids, rungs, capped_rows, config=config, mesh_axes=mesh_axes)
-      y = fallback.switch_with_recompute(index, (capped, *map(chunked, rungs)), operands, ids)
-    else:
-      # Uniform over every mesh axis: each device's cond must take the same branch as its
-      # peers in every collective inside the branches.
-      overflow = jax.lax.pmax(would_drop > 0, mesh_axes)
-      if after_overflow is not None:
-        overflow = jnp.logical_or(overflow, after_overflow)
-      y = fallback.cond_with_recompute(overflow, chunked(last), capped, operands, ids)
-      rungs, index = (last,), overflow.astype(jnp.int32)
-    ran_fallback = (index > 0).astype(jnp.int32)
-    dropped = jnp.where(index > 0, 0, would_drop)
-    chunks = jnp.asarray((0, *(r.chunks for r in rungs)), jnp.int32)[index]
+def _fixed_rung(config: MoEConfig, shard: ShardSize) -> fallback.Rung:
+  """The fixed fallback's rung: the fewest chunks whose worst case fits the capped buffer."""
+  s = shard
+  num_chunks = fallback.fallback_num_chunks(
+      batch=s.batch, seq=s.seq, k=s.k, shards=s.shards, local_experts=s.local,
+      rows=s.capped_rows, requested=config.dropless_fallback_num_chunks)
+  return fallback.fixed_rung(capped_rows=s.capped_rows, worst_rows=s.worst_rows,
+                             max_chunks=num_chunks)
+
+
+def exchange_or_fall_back(x: jax.Array, route: routing_lib.Routing, experts: ExpertWeights,
+                          checked: Check, *, config: MoEConfig, backends: Backends,
+                          mesh_axes: tuple[str, ...], shard: ShardSize,
+                          call: LayerCall) -> Ran:
+  """Runs the shard's experts on `x [B, S, D]` by the path the layer was built for: the
+  worst-case buffer (`call.force_dropless`); the capped path behind the overflow check, which
+  falls back to the chunked dropless path (`moe_dropless_fallback` 'layer' or 'step'; 'layer'
+  with adaptive chunking falls back to the first rung of `fallback.traffic_ladder` whose
+  chunks fit, chosen at run time); or the capped path alone. In 'step' mode the check also
+  takes the chunked path when `call.after_overflow` (bool scalar, the same on every device)
+  says an earlier MoE layer of the step overflowed."""
+  s, paths, zero = shard, _Paths(config, backends, shard), jnp.zeros((), jnp.int32)
+  ids = route.expert_ids.reshape(s.batch, s.seq, s.k)
+  operands = (x, route.weights.reshape(s.batch, s.seq, s.k), experts)
+  if call.force_dropless:
+    return Ran(paths.buffer(s.worst_rows)(operands, ids), zero, zero, zero)
+  if not builds_fallback(config, shards=s.shards, tokens=s.tokens):
+    return Ran(paths.buffer(s.capped_rows)(operands, ids), zero, checked.would_drop, zero)
+  capped, last = paths.buffer(s.capped_rows), _fixed_rung(config, s)
+  if config.moe_dropless_fallback == "layer" and config.dropless_fallback_chunking == "adaptive":
+    rungs = fallback.traffic_ladder(seq=s.seq, capped_rows=s.capped_rows,
+                                    worst_rows=s.worst_rows, max_chunks=last.chunks)
+    index = adaptive_rung(ids, rungs, s.capped_rows, config=config, mesh_axes=mesh_axes)
+    y = fallback.switch_with_recompute(index, (capped, *map(paths.chunked, rungs)), operands,
+                                       ids)
   else:
-    y = capped(operands, ids)
-    ran_fallback, dropped, chunks = zero, would_drop, zero
+    # Uniform over every mesh axis: each device's cond must take the same branch as its peers
+    # in every collective inside the branches.
+    overflow = jax.lax.pmax(checked.would_drop > 0, mesh_axes)
+    if call.after_overflow is not None:
+      overflow = jnp.logical_or(overflow, call.after_overflow)
+    y = fallback.cond_with_recompute(overflow, paths.chunked(last), capped, operands, ids)
+    rungs, index = (last,), overflow.astype(jnp.int32)
+  chunks = jnp.asarray((0, *(r.chunks for r in rungs)), jnp.int32)[index]
+  return Ran(y, (index > 0).astype(jnp.int32), jnp.where(index > 0, 0, checked.would_drop),
+             chunks)
 
-  stats = MoEStats(
-      fallback=ran_fallback,
-      required_factor=dispatch_plan.required_factor(traffic, tokens * k),
-      would_drop_rows=would_drop,
-      dropped_rows=dropped,
+
+def shard_stats(route: routing_lib.Routing, checked: Check, ran: Ran, config: MoEConfig,
+                shard: ShardSize) -> MoEStats:
+  """This shard's view of the step's `MoEStats`, before `moe_hk.stats.reduce_stats`."""
+  return MoEStats(
+      fallback=ran.fallback,
+      required_factor=dispatch_plan.required_factor(checked.traffic, shard.tokens * shard.k),
+      would_drop_rows=checked.would_drop,
+      dropped_rows=ran.dropped,
       tokens_per_expert=routing_lib.tokens_per_expert(route.expert_ids, config.num_experts),
       nonfinite_tokens=routing_lib.nonfinite_tokens(route),
       lb_loss=routing_lib.load_balance_loss(route, config.num_experts),
       z_loss=routing_lib.router_z_loss(route),
-      fallback_chunks=chunks,
+      fallback_chunks=ran.chunks,
       router_entropy=routing_lib.router_entropy(route),
-      receiver_overflow_rows=dispatch_plan.receiver_overflow_rows(traffic, capped_rows),
+      receiver_overflow_rows=dispatch_plan.receiver_overflow_rows(checked.traffic,
+                                                                  shard.capped_rows),
       routed_rows_per_device=jnp.zeros((0, config.num_experts), jnp.int32))
-  return y.astype(x.dtype), stats
+
+
+def moe_shard(x: jax.Array, router_w: jax.Array, experts: ExpertWeights, *, config: MoEConfig,
+              backends: Backends, mesh_axes: tuple[str, ...], call: LayerCall = LayerCall()
+              ) -> tuple[jax.Array, MoEStats]:
+  """`x [B, S, D]` -> `(y [B, S, D], MoEStats)` on one shard, the stats this shard's view
+  before `moe_hk.stats.reduce_stats` (`moe_hk.stats.REDUCTIONS` says what each field holds):
+  size, route, check, exchange or fall back, stats."""
+  shard = size(x.shape, config)
+  route = routing_lib.route(x.reshape(shard.tokens, shard.width), router_w, shard.k,
+                            config.router_score, config.norm_topk_prob)
+  checked = check(route, config, shard)
+  ran = exchange_or_fall_back(x, route, experts, checked, config=config, backends=backends,
+                              mesh_axes=mesh_axes, shard=shard, call=call)
+  return ran.y.astype(x.dtype), shard_stats(route, checked, ran, config, shard)
 
 
 def builds_fallback(config: MoEConfig, *, shards: int, tokens: int) -> bool:
@@ -134,8 +213,8 @@ def builds_fallback(config: MoEConfig, *, shards: int, tokens: int) -> bool:
   cond is built and the fallback costs nothing."""
   k, local = config.num_experts_per_tok, config.num_experts // shards
   return config.moe_dropless_fallback != "none" and (
-      dispatch_plan.buffer_rows(shards, tokens, k, local, config.ragged_buffer_factor)
-      < dispatch_plan.worst_case_rows(shards, tokens, k, local))
+      buffer_size.buffer_rows(shards, tokens, k, local, config.ragged_buffer_factor)
+      < buffer_size.worst_case_rows(shards, tokens, k, local))
 
 
 def adaptive_rung(expert_ids: jax.Array, rungs: tuple[fallback.Rung, ...], rows: int, *,

@@ -9,7 +9,7 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
 from moe_hk import MoEConfig, MoEParams, mesh as mesh_lib, mesh_forward, param_specs
-from moe_hk.ragged_path import ExpertWeights
+from moe_hk.expert_types import ExpertWeights
 from moe_hk.shard_forward import moe_shard
 from tests import reference
 

@@ -1,11 +1,11 @@
 """An independent dense MoE for tests: every expert on every token, then select.
 
-Written without the library's routing, planning or all-to-all code. `keep_mask` implements
+Written without the library's routing, planning or all-to-all code; the receive buffer's size
+comes from `moe_hk.buffer_size` (the one place it is computed, held to hand-worked sizes in
+tests/test_config.py). `keep_mask` implements
 the drop order of docs/design.md with plain loops over shards, receivers, senders and experts.
 """
 from __future__ import annotations
-
-import math
 
 import jax
 import jax.numpy as jnp
@@ -31,12 +31,6 @@ def reference_moe(params, x, *, k: int, score: str = "softmax", keep=None):
   if keep is not None:
     chosen = chosen * keep[..., None]
   return jnp.einsum("bsk,bskd->bsd", weights, chosen)
-
-
-def reference_buffer_rows(tokens: int, k: int, shards: int, local_experts: int,
-                          factor: float) -> int:
-  worst = shards * tokens * min(k, local_experts)
-  return worst if factor == -1 else min(math.floor(tokens * k * factor), worst)
 
 
 def reference_lb_loss(logits, ids, num_devices: int, num_experts: int) -> float:

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import moe_hk
-from moe_hk import dispatch_plan, fallback
+from moe_hk import buffer_size, dispatch_plan, fallback
 from tests import reference
 from tests.moe_inputs import dense_reference, outputs_and_grads, per_device_stats, skewed_inputs
 from tests.tree_close import assert_trees_close, relative_error
@@ -80,9 +80,8 @@ def _routing(config, params, x):
 
 
 def _rows(config, shards, tokens):
-  return reference.reference_buffer_rows(tokens, config.num_experts_per_tok, shards,
-                                         config.num_experts // shards,
-                                         config.ragged_buffer_factor)
+  return buffer_size.buffer_rows(shards, tokens, config.num_experts_per_tok,
+                                 config.num_experts // shards, config.ragged_buffer_factor)
 
 
 def test_traffic_ladder_worked_example():

@@ -3,13 +3,12 @@ after each full window, the guard raises at once, moves for speed pay back their
 program cache's memory and recompile budgets (the end-to-end run is in test_launch)."""
 import threading
 
-import numpy as np
 import pytest
 
 import moe_hk
 from launch.configs import tiny
 from launch.planning import autopilot
-from metrics.alerts import AlertManager
+from launch.training import step_alerts
 from metrics.evidence import Evidence
 from metrics.factor_rule import Rule
 
@@ -45,9 +44,9 @@ def test_follows_the_rules_frequency_pick_after_a_full_window():
   assert c.evidence.advice.factor == 1.125
   decision = c.propose()
   assert decision.factor == 1.125 and decision.reason == "frequency"
-  assert decision.evidence["predicted_frequency"] == pytest.approx(0.05)
+  assert decision.evidence.predicted_frequency == pytest.approx(0.05)
   assert "the smallest factor that would have fallen back on at most 5%" in \
-      decision.evidence["advice"] and "never timed" in decision.evidence["advice"]
+      decision.evidence.advice and "never timed" in decision.evidence.advice
   c.switched(decision.factor)
   assert c.factor == 1.125 and c.evidence.advice.keep
   _steps(c, required)
@@ -74,19 +73,17 @@ def test_raises_at_once_on_a_burst_of_fallbacks_and_not_on_one():
   decision = c.propose()
   # The smallest factor that would have fallen back on at most 30% of the window (19 steps).
   assert decision.reason == "raise" and decision.factor == 1.375
-  assert decision.evidence["observed_recent_frequency"] == pytest.approx(0.6)
-  assert "the guard raised it" in decision.evidence["advice"]
+  assert decision.evidence.observed_recent_frequency == pytest.approx(0.6)
+  assert "the guard raised it" in decision.evidence.advice
 
 
 def test_refused_factors_are_skipped_and_the_state_round_trips():
   c = _controller()
   c.evidence.add_interval(3.0, 5, 1.5)
   _steps(c, [0.8] * WINDOW)
-  c.evidence.refused.add(1.0)
-  c.evidence.add_step([0.8], False)
+  c.evidence.refuse(1.0)
   assert c.propose().factor == 0.875  # the smallest that covers, below the refused 1.0
-  c.evidence.refused = {0.875}
-  c.evidence.add_step([0.8], False)
+  c.evidence.refuse(0.875)
   assert c.propose() is None  # memory grows with the factor: nothing from 0.875 up fits
   pilot = autopilot.Autopilot(c, autopilot.ProgramCache(lambda f: None, budget_bytes=None,
                                                         max_programs=1), on_change=print)
@@ -120,7 +117,7 @@ def test_moves_for_speed_only_between_timed_factors_beyond_the_noise():
   decision = c.propose(steps_left=1000)
   assert decision.factor == 2.0 and decision.reason == "faster"
   assert c.evidence.advice.basis == "measured"
-  assert "faster beyond the noise than 3" in decision.evidence["advice"]
+  assert "faster beyond the noise than 3" in decision.evidence.advice
   # The same window, 2% apart: within the noise.
   noise = _controller(factor=3.0)
   _steps(noise, required)
@@ -168,8 +165,7 @@ def test_the_likely_move_compiles_while_the_window_fills_and_then_costs_no_compi
     moved = pilot.switch(20)
     assert moved.factor == 1.125 == c.factor and compiles == [1.125]
     [(step, old, new, decision)] = changes
-    alert = AlertManager(worst_case_factor=4.0).factor_changed(step, old, new, decision.reason,
-                                                               decision.evidence)
+    alert = step_alerts.factor_changed(step, old, new, decision)
     assert alert.message.startswith("MoE autopilot [buffer_factor_changed] at step 20: "
                                     "ragged_buffer_factor 3 -> 1.125 (frequency): use "
                                     "ragged_buffer_factor=1.125: the smallest factor")

@@ -1,5 +1,6 @@
-"""`launch.training.checkpoints`: an unreadable newest checkpoint costs one warning line, and
-nothing of its failed reads reaches the console later, however often it happens."""
+"""`launch.training.checkpoints`: the train state and a mapping of stateful parts round-trip; an
+unreadable newest checkpoint costs one warning line, and nothing of its failed reads reaches
+the console later, however often it happens."""
 import gc
 import glob
 import logging
@@ -40,6 +41,47 @@ def _corrupt_newest(directory: str) -> None:
     f.truncate(os.path.getsize(largest) // 2)
 
 
+class _Part:
+  """A stateful part of a run: its state is a dict."""
+
+  def __init__(self, state: dict):
+    self.state = state
+
+  def state_dict(self) -> dict:
+    return dict(self.state)
+
+  def load_state_dict(self, state: dict) -> None:
+    self.state = dict(state)
+
+
+def test_every_part_of_the_mapping_travels_and_a_missing_part_keeps_its_state(tmp_path):
+  """The checkpoint saves and restores a {name: stateful} mapping: a part is one entry. A
+  part the checkpoint lacks (one added since it was written) keeps its state; a part saved
+  empty (an autopilot that was off) leaves the live one alone; the train state has its own
+  item, never a part's name."""
+  saver = checkpoints_lib.Checkpoints(str(tmp_path), keep=2, every=1)
+  saver.save(1, _state(1), {"data": _Part({"source": "stdlib", "step": 1}),
+                            "alerts": _Part({"last_sent": {"fallback_ran": 0}}),
+                            "autopilot": _Part({})})
+  with pytest.raises(ValueError, match="'state' names the train state"):
+    saver.save(2, _state(2), {"state": _Part({})})
+  saver.wait()
+  abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
+                          _state(0))
+  restored = saver.restore(abstract)
+  saver.close()
+  assert restored.step == 1
+  assert restored.parts == {"data": {"source": "stdlib", "step": 1},
+                            "alerts": {"last_sent": {"fallback_ran": 0}}, "autopilot": {}}
+  jax.tree.map(np.testing.assert_array_equal, restored.state, _state(1))
+  live = {"data": _Part({}), "alerts": _Part({}), "autopilot": _Part({"compiled": 2}),
+          "added_since": _Part({"kept": True})}
+  restored.apply(live)
+  assert {name: part.state for name, part in live.items()} == {
+      "data": {"source": "stdlib", "step": 1}, "alerts": {"last_sent": {"fallback_ran": 0}},
+      "autopilot": {"compiled": 2}, "added_since": {"kept": True}}
+
+
 def _restore_corrupted(tmp_path, rounds: int) -> None:
   """`rounds` times: two checkpoints, the newer corrupted, restored from the older with one
   warning; then time for the failed reads' stragglers to finish."""
@@ -47,7 +89,7 @@ def _restore_corrupted(tmp_path, rounds: int) -> None:
     workdir = str(tmp_path / f"run{round_}")
     saver = checkpoints_lib.Checkpoints(workdir, keep=3, every=1)
     for step in (1, 2):
-      saver.save(step, _state(step), {"source": "stdlib"}, {}, {})
+      saver.save(step, _state(step), {"data": _Part({"source": "stdlib"})})
     saver.wait()
     saver.close()
     _corrupt_newest(os.path.join(workdir, "checkpoints"))

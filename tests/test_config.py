@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import moe_hk
-from moe_hk import dispatch_plan
+from moe_hk import buffer_size
 
 BASE = dict(num_experts=8, num_experts_per_tok=2, emb_dim=16, mlp_dim=32)
 
@@ -168,14 +168,18 @@ def test_native_all_to_all_refused_on_cpu():
 
 def test_buffer_rows_formula():
   # N = T * K = 64; worst case P * T * min(K, L).
-  assert dispatch_plan.buffer_rows(4, 32, 2, 2, -1) == 4 * 32 * 2
-  assert dispatch_plan.buffer_rows(4, 32, 2, 2, 0.5) == 32
-  assert dispatch_plan.buffer_rows(4, 32, 2, 2, 1.3) == 83   # floor(64 * 1.3)
-  assert dispatch_plan.buffer_rows(4, 32, 2, 2, 100.0) == 256  # capped at the worst case
-  assert dispatch_plan.buffer_rows(8, 16, 4, 1, -1) == 8 * 16 * 1  # min(K, L) = 1
+  assert buffer_size.buffer_rows(4, 32, 2, 2, -1) == 4 * 32 * 2
+  assert buffer_size.buffer_rows(4, 32, 2, 2, 0.5) == 32
+  assert buffer_size.buffer_rows(4, 32, 2, 2, 1.3) == 83   # floor(64 * 1.3)
+  assert buffer_size.buffer_rows(4, 32, 2, 2, 100.0) == 256  # capped at the worst case
+  assert buffer_size.buffer_rows(8, 16, 4, 1, -1) == 8 * 16 * 1  # min(K, L) = 1
   # The worst case equals N * min(P, E / K).
   for p, t, k, l in [(8, 16, 2, 1), (4, 8, 1, 4), (2, 5, 4, 2), (8, 3, 2, 16)]:
-    assert dispatch_plan.worst_case_rows(p, t, k, l) == t * k * min(p, p * l / k)
+    assert buffer_size.worst_case_rows(p, t, k, l) == t * k * min(p, p * l / k)
+    assert buffer_size.worst_case_factor(p * l, k, p) == min(p, p * l / k)
+  # -1 stands for the worst case's factor; any other factor for itself.
+  assert buffer_size.factor_in_force(-1, 4.0) == 4.0
+  assert buffer_size.factor_in_force(1.5, 4.0) == 1.5
 
 
 def test_the_checked_choices_are_what_the_code_acts_on():

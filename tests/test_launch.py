@@ -25,7 +25,7 @@ import moe_hk
 from launch import settings as settings_lib
 from launch.errors import UserError
 from launch.planning import replay
-from launch.training import record, reporter as reporter_lib, trainer
+from launch.training import record, reporter as reporter_lib, stop_request, trainer
 from launch.training import data as data_lib, spikes as spikes_lib
 from launch.training.steps import abstract_inputs
 from metrics import expert_load, tags, traffic
@@ -393,9 +393,9 @@ def test_a_second_ctrl_c_exits_at_once(monkeypatch, capsys):
   abrupt exit leaves: orbax moves a checkpoint into place only once whole, so the newest
   complete one restores (an abrupt kill mid-run: the lost-process test below resumes)."""
   exits = []
-  monkeypatch.setattr(trainer.os, "_exit", exits.append)
+  monkeypatch.setattr(stop_request.os, "_exit", exits.append)
   before = signal.getsignal(signal.SIGINT)  # pytest's; SIG_IGN when started in the background
-  stop = trainer._Stop()
+  stop = stop_request.StopRequest()
   try:
     stop._handle(signal.SIGINT, None)
     assert stop.should_stop() and stop.interrupted and exits == []
@@ -627,9 +627,9 @@ def test_autopilot_lowers_the_factor_drops_nothing_and_resumes_with_it(baseline,
   assert all(scalars["moe/dropped_rows_fraction"][s] == 0 for s in range(8))
   with open(tmp_path / "auto" / "alerts.jsonl") as f:
     changes = [a for a in map(json.loads, f) if a["rule"] == "buffer_factor_changed"]
-  assert [(c["step"], c["details"]["old_factor"], c["details"]["new_factor"])
+  assert [(c["step"], c["old_factor"], c["new_factor"])
           for c in changes] == [(4, 4.0, factors[4])]
-  assert changes[0]["details"]["reason"] == "frequency"
+  assert changes[0]["reason"] == "frequency"
 
 
 
@@ -932,14 +932,14 @@ def test_a_loss_spike_is_skipped_alerted_and_its_batch_found(baseline, tmp_path,
   assert [scalars["train/spike_skipped_steps"][s] for s in range(8)] == [0] * 6 + [1, 1]
   with open(os.path.join(workdir, "alerts.jsonl")) as f:
     [spike] = [a for a in map(json.loads, f) if a["rule"] == "loss_spike"]
-  details = spike["details"]
+  details = spike  # the rule's fields sit beside step, rule and message
   assert spike["step"] == 6 and details["loss"] == losses[6]
   # An untrained model's loss on 0xFF is near log(256), like its text's; the gradient spikes.
   spiked = [value > mean + 6 * std for value, mean, std in zip(
       (details["loss"], details["grad_norm"]), details["window_mean"], details["window_std"])]
   assert spiked[1] and "gradient norm" in spike["message"]
   assert spiked[0] == ("loss " in spike["message"].split("]")[1].split("above")[0])
-  position = spike["details"]["data_position"]
+  position = spike["data_position"]
   assert position == json.loads(json.dumps(make_data(c).position(6)))
   before, after = (_restored_state(settings_of(c), workdir, step) for step in (6, 7))
   jax.tree.map(np.testing.assert_array_equal, (before.params, before.opt_state, before.spikes),
@@ -1006,8 +1006,8 @@ def test_nonfinite_router_input_is_counted_skipped_and_stops_the_run(tmp_path, m
   assert {"nonfinite_router_input", "nonfinite_step"} <= set(rules)
   assert "fallback_ran" not in rules
   [skip] = [a for a in alerts if a["rule"] == "nonfinite_step"][:1]
-  assert skip["details"]["data_position"]["step"] == skip["step"] == 0
-  assert len(skip["details"]["data_position"]["rows"]) == c.data.batch_size
+  assert skip["data_position"]["step"] == skip["step"] == 0
+  assert len(skip["data_position"]["rows"]) == c.data.batch_size
   saved = _restored_state(settings_of(c), str(tmp_path))
   assert int(saved.step) == 4
   jax.tree.map(np.testing.assert_array_equal, (saved.params, saved.opt_state),

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import moe_hk
+from moe_hk import buffer_size
 from tests import reference
 from tests.moe_inputs import outputs_and_grads, reference_outputs_and_grads, skewed_inputs
 from tests.tree_close import assert_trees_close
@@ -49,8 +50,8 @@ def _assert_layer_matches_reference(shards, k, mult, factor, **overrides):
   mesh, config, params, x = _setup(shards, k, mult, factor, **overrides)
   num_experts = config.num_experts
   tokens = BATCH // NUM_DEVICES * SEQ
-  rows = reference.reference_buffer_rows(tokens, k, shards, num_experts // shards, factor)
-  worst = reference.reference_buffer_rows(tokens, k, shards, num_experts // shards, -1)
+  rows = buffer_size.buffer_rows(shards, tokens, k, num_experts // shards, factor)
+  worst = buffer_size.worst_case_rows(shards, tokens, k, num_experts // shards)
   ids, _, logits = reference.reference_routing(params.router_w, x, k, config.router_score)
   mask_fn = reference.ring_keep_mask if config.use_ring_of_experts else reference.keep_mask
   keep = mask_fn(ids, num_devices=NUM_DEVICES, shards=shards, num_experts=num_experts, rows=rows)

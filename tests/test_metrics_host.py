@@ -221,15 +221,13 @@ def test_fallback_alert_is_rate_limited_and_written(manager):
   lines = [json.loads(line) for line in path.read_text().splitlines()]
   first = lines[0]
   assert set(first) == {"time", "step", "rule", "layers", "hotspots", "since", "frequency",
-                        "required_factor", "recommended_ragged_buffer_factor", "message",
-                        "details"}
+                        "required_factor", "recommended_ragged_buffer_factor", "message"}
   # Layer 0's rows beyond the buffer all went to expert shard 0; every expert got 4 rows.
   assert first["hotspots"] == [{"layer": 0, "receivers": [0], "hot_experts": [0, 1, 2]}]
-  assert first["details"] is None  # only a factor change carries details
   assert first["rule"] == "fallback_ran" and first["layers"] == [0] and first["step"] == 0
   later = [a for a in received if a.rule == "fallback_ran"][-1]
-  assert later.since == 0 and later.step == 10
-  assert later.recommended_ragged_buffer_factor == pytest.approx(2.3)
+  assert later.details["since"] == 0 and later.step == 10
+  assert later.details["recommended_ragged_buffer_factor"] == pytest.approx(2.3)
   assert "ragged_buffer_factor=2.3" in later.message
 
 
@@ -241,12 +239,12 @@ def test_frequency_rule_fires_above_threshold_only(manager):
   for step in range(10, 14):  # 4 more: 5 of the last 10
     m.check(steps(step, fallback=1, factor=1.8))
   frequent = [a for a in received if a.rule == "frequent_fallback"]
-  assert frequent and frequent[0].frequency > 0.3
+  assert frequent and frequent[0].details["frequency"] > 0.3
   for step in range(14, 20):  # no fallback, but still over 30% of the last 10 steps
     m.check(steps(step, fallback=0, factor=1.2))
   quiet = [a for a in received if a.rule == "frequent_fallback" and a.step >= 14]
-  assert quiet and quiet[0].layers == [], quiet
-  frequency = f"{quiet[0].frequency:.0%}"
+  assert quiet and quiet[0].details["layers"] == [], quiet
+  frequency = f"{quiet[0].details['frequency']:.0%}"
   assert f"the MoE layers overflowed on {frequency} of recent steps" in quiet[0].message
   assert "(none at this step)" in quiet[0].message and "layers []" not in quiet[0].message
 
@@ -260,7 +258,8 @@ def test_fallback_ran_describes_the_whole_step(manager):
                layer1=dict(fallback=1, factor=3.39, would_drop=5))
   [alert] = [a for a in m.check(step) if a.rule == "fallback_ran"]
   assert step.fallback_layers == 2 and step.required_factor == pytest.approx(3.39)
-  assert alert.layers == [0, 1] and alert.required_factor == pytest.approx(3.39)
+  assert alert.details["layers"] == [0, 1]
+  assert alert.details["required_factor"] == pytest.approx(3.39)
   assert "layers [0, 1] ran the dropless fallback" in alert.message
   assert "required factor 3.39" in alert.message
 
@@ -305,7 +304,7 @@ def test_drop_and_near_worst_case_rules(manager):
            if any(a.rule == "near_worst_case" for a in m.check(steps(step, factor=4.0)))]
   assert fired == [13, 18]  # the 10th step in a row, then rate-limited (every 5 steps)
   [alert] = [a for a in received if a.rule == "near_worst_case"][:1]
-  assert alert.since == 13 and "on 10 steps in a row" in alert.message
+  assert alert.details["since"] == 13 and "on 10 steps in a row" in alert.message
 
 
 def test_one_expert_shard_is_never_near_its_worst_case(tmp_path):
@@ -328,7 +327,7 @@ def test_no_message_lists_an_empty_set_of_shards(manager):
   for step in range(10):
     m.check(steps(step, factor=3.8))
   [alert] = [a for a in received if a.rule == "near_worst_case"]
-  assert alert.hotspots[0]["receivers"] == []
+  assert alert.details["hotspots"][0]["receivers"] == []
   assert "[]" not in alert.message and "layer 0: hottest experts [0, 1, 2]" in alert.message
 
 
@@ -341,13 +340,13 @@ def test_nonfinite_router_input_alert_is_rate_limited_and_blames_no_expert(manag
   assert {a.rule for a in received} == {"nonfinite_router_input"}
   first = json.loads(path.read_text().splitlines()[0])
   assert first["rule"] == "nonfinite_router_input" and first["step"] == 0
-  assert first["layers"] == [0] and first["details"] == {"nonfinite_tokens": [3]}
+  assert first["layers"] == [0] and first["nonfinite_tokens"] == [3]
   assert first["hotspots"] == [] and first["since"] == 0
   assert "step 0" in first["message"] and "layer 0: 3" in first["message"]
   assert first["message"].startswith("MoE non-finite router input [nonfinite_router_input]")
-  assert received[-1].since == 0 and received[-1].step == 10
+  assert received[-1].details["since"] == 0 and received[-1].step == 10
   assert m.check(steps(12, factor=1.2)) == []  # finite again: the condition's run ends
-  assert [a.since for a in m.check(steps(20, nonfinite=1, factor=1.2))] == [20]
+  assert [a.details["since"] for a in m.check(steps(20, nonfinite=1, factor=1.2))] == [20]
 
 
 def test_nonfinite_tokens_tag_every_step():

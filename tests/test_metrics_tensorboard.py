@@ -18,7 +18,7 @@ from metrics import expert_load, writer as writer_lib
 from metrics.evidence import Evidence
 from metrics.factor_rule import Rule
 from metrics.event_files import has_hparams, read_histograms, read_images, read_scalars
-from moe_hk import dispatch_plan
+from moe_hk import buffer_size
 from tests.helpers import BASE, MESH_SHAPE, ROOT, free_port, unrolled_model
 from tests.moe_inputs import skewed_inputs
 
@@ -40,10 +40,11 @@ def trained_logdir(tmp_path_factory):
   params, state = jax.jit(model.init)(jax.random.key(0), batches[0], 0)
   step_fn = jax.jit(lambda p, s, xx, step: model.apply(p, s, None, xx, step))
   alerts, returned, reported = [], [], []
-  worst = dispatch_plan.worst_case_factor(8, 2, 4)
+  worst = buffer_size.worst_case_factor(8, 2, 4)
   evidence = Evidence(worst_case=worst, window=2, rule=Rule(min_steps=1))
-  with metrics.MoEMetrics(workdir, worst_case_factor=worst, evidence=evidence,
-                          alert_callback=alerts.append,
+  manager = metrics.AlertManager(worst_case_factor=worst, workdir=workdir,
+                                 callback=alerts.append)
+  with metrics.MoEMetrics(workdir, worst_case_factor=worst, evidence=evidence, alerts=manager,
                           hparams={"ragged_buffer_factor": 0.5},
                           flush_on_sigterm=False) as moe_metrics:
     for step in range(STEPS):
@@ -145,16 +146,16 @@ def test_alerts_from_a_real_run(trained_logdir):
     lines = [json.loads(line) for line in f]
   assert len(lines) == len(alerts)
   fallback = next(a for a in alerts if a.rule == "fallback_ran")
-  assert fallback.layers == [0] and fallback.step == 0
-  assert fallback.recommended_ragged_buffer_factor >= reported[0].required_factor
+  assert fallback.details["layers"] == [0] and fallback.step == 0
+  assert fallback.details["recommended_ragged_buffer_factor"] >= reported[0].required_factor
   # Where: the receiving expert shards that overflowed and the three hottest experts.
   stats = _layer_stats(returned[0])[0]
   receivers = np.flatnonzero(stats.receiver_overflow_rows).tolist()
   hot = np.argsort(-np.asarray(stats.tokens_per_expert), kind="stable")[:3].tolist()
-  assert receivers and fallback.hotspots == [{"layer": 0, "receivers": receivers,
-                                              "hot_experts": hot}]
+  assert receivers and fallback.details["hotspots"] == [{"layer": 0, "receivers": receivers,
+                                                         "hot_experts": hot}]
   assert f"expert shards {receivers} overflowed, hottest experts {hot}" in fallback.message
-  assert lines[alerts.index(fallback)]["hotspots"] == fallback.hotspots
+  assert lines[alerts.index(fallback)]["hotspots"] == fallback.details["hotspots"]
 
 
 def _get_json(url):

@@ -176,4 +176,4 @@ def test_default_layer_mode_neither_falls_back_nor_blames_an_expert():
   alerts = AlertManager(worst_case_factor=min(SHARDS, EXPERTS / K)).check(
       aggregator.finish_step(0))
   assert [a.rule for a in alerts] == ["nonfinite_router_input"]
-  assert alerts[0].details == {"nonfinite_tokens": [19]} and alerts[0].hotspots == []
+  assert alerts[0].details["nonfinite_tokens"] == [19] and alerts[0].details["hotspots"] == []

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import moe_hk
+from moe_hk import buffer_size
 from tests import reference
 from tests.moe_inputs import skewed_inputs
 
@@ -35,7 +36,7 @@ def test_receiver_overflow_rows_and_router_entropy(mesh_shape, factor, fallback,
   ids, _, logits = reference.reference_routing(params.router_w, x, 2, "softmax")
   received = reference.traffic(ids, num_devices=devices, shards=shards,
                                num_experts=8).sum(axis=1)                  # [groups, P]
-  rows = reference.reference_buffer_rows(batch // devices * seq, 2, shards, 8 // shards, factor)
+  rows = buffer_size.buffer_rows(shards, batch // devices * seq, 2, 8 // shards, factor)
   expected = np.maximum(received - rows, 0).sum(axis=0)                      # [P]
   np.testing.assert_array_equal(stats.receiver_overflow_rows, expected)
   assert expected.sum() > 0 and (expected == 0).any()  # some receivers overflow, not all

@@ -48,6 +48,11 @@ def _model(c: ml_collections.ConfigDict) -> None:
   c.attention_impl = "auto"
   c.attention_block = 0       # query block of the XLA form's scan; 0 = whole sequence
   c.loss_chunk = 0            # positions per logits chunk of the loss scan; 0 = whole sequence
+  _moe(c)
+
+
+def _moe(c: ml_collections.ConfigDict) -> None:
+  """The MoE layers."""
   # The MoE layers: every key is a `moe_hk.MoEConfig` field of the same name and meaning (its
   # width and dtype come from emb_dim and dtype above, record_traffic from traffic.record).
   c.moe = ml_collections.ConfigDict(dict(

@@ -69,7 +69,7 @@ def _save(settings: settings_lib.Settings, workdir: str, state) -> None:
                               process_count=jax.process_count())
   saver = checkpoints.Checkpoints(workdir, keep=config.checkpoints_to_keep,
                                   every=config.checkpoint_every)
-  saver.save(0, state, data.get_state(), metrics.Aggregator().state_dict(), {})
+  saver.save(0, state, {"data": checkpoints.GetSetState(data), "moe_metrics": metrics.Aggregator()})
   saver.wait()
   saver.close()
 

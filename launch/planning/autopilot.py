@@ -28,17 +28,29 @@ from __future__ import annotations
 import concurrent.futures
 from typing import Any, Callable, Collection, NamedTuple
 
-from metrics import factor_rule
 from metrics.evidence import Evidence
 
 # 'throughput': the rule with the run's measured step times; 'fallback_frequency': without.
 OBJECTIVES = ("throughput", "fallback_frequency")
 
 
+class MoveEvidence(NamedTuple):
+  """What the window showed when a move was decided (the alert's `evidence`)."""
+  advice: str                      # why the move: the rule's reason, or the guard's
+  window_steps: int                # steps in the window
+  recent_steps: int                # the guard's recent steps (window // 4)
+  observed_recent_frequency: float # the fallback's share of those
+  predicted_frequency: float | None  # the new factor's share of the window (None: not a row)
+  max_required_factor: float       # over the window's steps and layers
+  measured_step_seconds: dict      # factor ('%g') -> [seconds per step, standard error]
+  objective: str                   # 'throughput' or 'fallback_frequency'
+
+
 class Decision(NamedTuple):
   factor: float       # the factor to move to
   reason: str         # 'frequency' or 'faster' (the rule's answer), 'raise' (the guard)
-  evidence: dict      # what the window showed (for the alert)
+  evidence: MoveEvidence
+  memory_bytes: int | None = None  # per device, of the program switched to (once it is)
 
 
 def check_settings(section, layer, moe_metrics: bool = True) -> None:
@@ -138,17 +150,18 @@ class FactorController:
     return Decision(advice.factor, reason,
                     self._evidence(advice.factor, advice.reason, max(1, self.window // 4)))
 
-  def _evidence(self, factor: float, why: str, recent: int) -> dict:
+  def _evidence(self, factor: float, why: str, recent: int) -> MoveEvidence:
     """What the alert of a move to `factor` reports."""
     ev = self.evidence
     row = next((r for r in ev.advice.rows if abs(r.factor - factor) < 1e-9), None)
     prices = {f"{f:g}": [p.seconds, p.se] for f, p in ev.prices().items()}
-    return {"advice": why, "window_steps": ev.steps, "recent_steps": recent,
-            "observed_recent_frequency": ev.frequency(recent),
-            "predicted_frequency": None if row is None else row.fallback_frequency,
-            "max_required_factor": float(ev.required().max(initial=0.0)),
-            "measured_step_seconds": prices, "objective": "throughput" if ev.priced else
-            "fallback_frequency"}
+    return MoveEvidence(
+        advice=why, window_steps=ev.steps, recent_steps=recent,
+        observed_recent_frequency=ev.frequency(recent),
+        predicted_frequency=None if row is None else row.fallback_frequency,
+        max_required_factor=float(ev.required().max(initial=0.0)),
+        measured_step_seconds=prices,
+        objective="throughput" if ev.priced else "fallback_frequency")
 
   def switched(self, factor: float) -> None:
     """The trainer now runs `factor`."""
@@ -311,11 +324,11 @@ class Autopilot:
       return None
     self._decision = None
     if not self.cache.fits(program):
-      self.controller.evidence.refused.add(decision.factor)
+      self.controller.evidence.refuse(decision.factor)
       return None
     old = self.controller.factor
     self.controller.switched(decision.factor)
     self._ahead = None
-    evidence = {**decision.evidence, "memory_bytes_per_device": program.memory_bytes}
-    self.on_change(step, old, decision.factor, decision._replace(evidence=evidence))
+    self.on_change(step, old, decision.factor,
+                   decision._replace(memory_bytes=program.memory_bytes))
     return program

@@ -1,12 +1,13 @@
 """Replaying a run's recorded MoE traffic at other buffer factors, and the factor rule on it.
 
 `plan` replays every recorded step and MoE layer (`metrics.traffic`) through the capped buffer
-of each candidate `ragged_buffer_factor`, as `moe_hk.dispatch_plan` sizes and fills it: how
+of each candidate `ragged_buffer_factor`, as `moe_hk.buffer_size` sizes it and
+`moe_hk.dispatch_plan` fills it: how
 often the fallback would run, how many layers per step, what would drop without it. `advise`
 names the factor by the rule the alerts and the autopilot follow (`metrics.factor_rule`), on
 the same evidence: the window's required factors, priced by the run's own timed intervals at
 the factors it ran ('measured') or by capped steps timed apart ('timed', `launch.capacity
---time_config`). Host-only: numpy, no jax.
+--time_config`). Host-only: numpy and the jax-free `moe_hk.buffer_size`, no jax.
 """
 from __future__ import annotations
 
@@ -17,24 +18,9 @@ import numpy as np
 
 from metrics import factor_rule
 from metrics.traffic import Traffic
+from moe_hk.buffer_size import buffer_rows, factor_in_force, worst_case_factor
 
 DEFAULT_FACTORS = (1.0, 1.25, 1.5, 2.0, 3.0)
-
-
-def worst_case_factor(experts: int, k: int, shards: int) -> float:
-  """min(P, E / K): the factor of the worst-case buffer (`moe_hk.dispatch_plan`'s)."""
-  return min(shards, experts / k)
-
-
-def buffer_rows(shards: int, tokens: int, k: int, local_experts: int, factor: float) -> int:
-  """R per receiving shard, as `moe_hk.dispatch_plan.buffer_rows` sizes it: floor(N x factor)
-  capped at the worst case P x T x min(K, L); -1 is the worst case."""
-  worst = shards * tokens * min(k, local_experts)
-  rows = worst if factor == -1 else min(math.floor(tokens * k * factor), worst)
-  if rows < 1:
-    raise ValueError(f"ragged_buffer_factor={factor:g} leaves a receive buffer of {rows} rows "
-                     f"for {tokens * k} routed rows per shard.")
-  return rows
 
 
 def group_traffic(counts: np.ndarray, expert_shards: int) -> np.ndarray:
@@ -94,8 +80,7 @@ def _worst(traffic: Traffic, shards: int) -> float:
 
 def run_factor(traffic: Traffic) -> float:
   """The factor in force at the newest recorded step (the worst case's for -1)."""
-  factor = float(traffic.factors[-1])
-  return factor if factor > 0 else _worst(traffic, traffic.expert_shards)
+  return factor_in_force(float(traffic.factors[-1]), _worst(traffic, traffic.expert_shards))
 
 
 def measured(traffic: Traffic) -> dict[float, factor_rule.Price]:
@@ -105,7 +90,7 @@ def measured(traffic: Traffic) -> dict[float, factor_rule.Price]:
   if timings is None or not len(timings.seconds):
     return {}
   worst = _worst(traffic, traffic.expert_shards)
-  factors = [float(f) if f > 0 else worst for f in timings.factors]
+  factors = [factor_in_force(float(f), worst) for f in timings.factors]
   return factor_rule.measured_prices(factors, timings.steps, timings.seconds)
 
 

@@ -1,8 +1,9 @@
 """The run's orbax checkpoints, which never strand it.
 
-A checkpoint holds the train state, the data iterator's state, the MoE metrics' trailing
-windows, the alerts' rate limits and the autopilot's state, in `WORKDIR/checkpoints/<step>`
-(the state before step `<step>`, steps counted from 0). On restore the newest checkpoint that
+A checkpoint holds the train state and the JSON state of each of the run's stateful parts (a
+`{name: Stateful}` mapping: the trainer's are the data iterator, the MoE metrics' trailing
+windows, the alerts' rate limits and the autopilot), in `WORKDIR/checkpoints/<step>` (the state
+before step `<step>`, steps counted from 0), one item a part. On restore the newest checkpoint that
 reads wins: newer ones that do not read (a truncated array file, garbage JSON) are moved aside
 to `checkpoints/corrupt-<step>` (never deleted), each with one warning line, so a restart
 resumes by itself, and nothing else about it reaches the console (the failed reads' late
@@ -19,7 +20,7 @@ import os
 import shutil
 import sys
 import time
-from typing import Any, NamedTuple
+from typing import Any, Mapping, NamedTuple, Protocol
 
 import jax
 import orbax.checkpoint as ocp
@@ -40,14 +41,45 @@ def newest_step(workdir: str) -> int | None:
   return max(steps, default=None)
 
 
+_STATE = "state"  # the train state's item; every other item is a stateful part's JSON
+
+
+class Stateful(Protocol):
+  """A part of a run whose state a checkpoint keeps beside the train state."""
+
+  def state_dict(self) -> dict:
+    """JSON-serialisable."""
+
+  def load_state_dict(self, state: dict) -> None:
+    """Restores what `state_dict` returned."""
+
+
+class GetSetState:
+  """A part with grain's naming (`get_state`, `set_state`: the data iterators) as a
+  `Stateful`."""
+
+  def __init__(self, part):
+    self.part = part
+
+  def state_dict(self) -> dict:
+    return self.part.get_state()
+
+  def load_state_dict(self, state: dict) -> None:
+    self.part.set_state(state)
+
+
 class Restored(NamedTuple):
   """What a checkpoint holds, read but not yet applied."""
   step: int
   state: Any           # the train state, shaped and sharded like the one passed in
-  data: dict           # the data iterator's `get_state()`
-  moe_metrics: dict    # the aggregator's `state_dict()`
-  autopilot: dict      # the autopilot's `state_dict()`, {} without one
-  alerts: dict         # the alert manager's `state_dict()`, {} in checkpoints without it
+  parts: dict          # name -> the part's `state_dict()`, for every part the checkpoint has
+
+  def apply(self, parts: Mapping[str, Stateful]) -> None:
+    """Loads each of `parts` whose state the checkpoint holds (a part absent from it, or
+    saved empty, keeps its state)."""
+    for name, part in parts.items():
+      if self.parts.get(name):
+        part.load_state_dict(self.parts[name])
 
 
 def _reason(error: Exception) -> str:
@@ -131,14 +163,15 @@ class Checkpoints:
   def should_save(self, step: int) -> bool:
     return self._manager.should_save(step)
 
-  def save(self, step: int, state, data: dict, moe_metrics: dict, autopilot: dict,
-           alerts: dict | None = None) -> None:
-    """Starts writing checkpoint `step` (in the background); UserError when a write fails."""
+  def save(self, step: int, state, parts: Mapping[str, Stateful]) -> None:
+    """Starts writing checkpoint `step` (in the background): the train `state` and each of
+    `parts`' `state_dict()`; UserError when a write fails."""
+    if _STATE in parts:
+      raise ValueError(f"Checkpoints.save: {_STATE!r} names the train state, not a part.")
+    items = {name: ocp.args.JsonSave(part.state_dict()) for name, part in parts.items()}
     self.writing = step
     self._guarded(lambda: self._manager.save(step, force=True, args=ocp.args.Composite(
-        state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data),
-        moe_metrics=ocp.args.JsonSave(moe_metrics), autopilot=ocp.args.JsonSave(autopilot),
-        alerts=ocp.args.JsonSave(alerts or {}))))
+        **{_STATE: ocp.args.StandardSave(state)}, **items)))
 
   def wait(self) -> None:
     """Blocks until every started save is complete; UserError when one failed."""
@@ -183,10 +216,10 @@ class Checkpoints:
       _drop_late_reads(self.directory)
     for step in steps:
       try:
+        names = self._part_names(step)
         restored = self._manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore(),
-            moe_metrics=ocp.args.JsonRestore(), autopilot=ocp.args.JsonRestore(),
-            **self._alerts_item(step)))
+            **{_STATE: ocp.args.StandardRestore(abstract_state)},
+            **{name: ocp.args.JsonRestore() for name in names}))
       except Exception as e:  # what an unreadable checkpoint raises varies by what broke
         failed.append((step, _reason(e)))
         continue
@@ -194,18 +227,19 @@ class Checkpoints:
         self._move_aside(bad, reason)
       if failed:
         self._manager.reload()
-      return Restored(step, restored.state, restored.data, restored.moe_metrics,
-                      restored.autopilot or {}, restored.get("alerts") or {})
+      return Restored(step, restored[_STATE], {name: restored[name] or {} for name in names})
     if failed:
       listed = "; ".join(f"step {s}: {r}" for s, r in failed)
       raise UserError(f"no checkpoint in {self.directory} reads ({listed}): move the folder "
                       "away to train from scratch, or restore a copy.")
     return None
 
-  def _alerts_item(self, step: int) -> dict:
-    """The alerts' item to restore, where checkpoint `step` has one (older ones do not)."""
-    present = os.path.isdir(os.path.join(self.directory, str(step), "alerts"))
-    return {"alerts": ocp.args.JsonRestore()} if present else {}
+  def _part_names(self, step: int) -> list[str]:
+    """The parts checkpoint `step` holds: its items other than the train state (each a
+    folder; older checkpoints lack the parts added since)."""
+    folder = os.path.join(self.directory, str(step))
+    return sorted(name for name in os.listdir(folder) if name != _STATE and
+                  not name.startswith((".", "_")) and os.path.isdir(os.path.join(folder, name)))
 
   def _move_aside(self, step: int, reason: str) -> None:
     """Renames checkpoint `step` to `corrupt-<step>` (process 0; every process waits)."""

@@ -127,14 +127,31 @@ def _check_processes(batch_size: int, process_index: int, process_count: int) ->
     raise ValueError(f"process_index={process_index} must be in [0, {process_count}).")
 
 
-class TokenData:
-  """Windows of `seq_len + 1` tokens at random starts in a train and an eval split."""
+@dataclasses.dataclass(frozen=True)
+class Batching:
+  """How the data is cut into this process's batches."""
+  batch_size: int        # global rows a step
+  seq_len: int           # a row holds seq_len + 1 tokens
+  seed: int
+  process_index: int = 0
+  process_count: int = 1
+  eval_fraction: float = EVAL_FRACTION  # of the data held out for evaluation
 
-  def __init__(self, tokens: np.ndarray, *, batch_size: int, seq_len: int, seed: int,
-               source: str, process_index: int = 0, process_count: int = 1,
-               eval_fraction: float = EVAL_FRACTION, files: list[str] | None = None,
-               sizes: list[int] | None = None):
-    split = int(len(tokens) * (1 - eval_fraction))
+  @property
+  def rows(self) -> int:
+    """This process's rows of each batch."""
+    return self.batch_size // self.process_count
+
+
+class TokenData:
+  """Windows of `seq_len + 1` tokens at random starts in a train and an eval split; `files`
+  and their `sizes` (None: synthetic) name where a token came from (`position`)."""
+
+  def __init__(self, tokens: np.ndarray, batching: Batching, *, source: str,
+               files: list[str] | None = None, sizes: list[int] | None = None):
+    b = batching
+    batch_size, seq_len, seed = b.batch_size, b.seq_len, b.seed
+    split = int(len(tokens) * (1 - b.eval_fraction))
     # The files the tokens were read from (None: synthetic), for `position`.
     self._files = files
     self._offsets = None if files is None else _offsets(sizes)
@@ -144,8 +161,7 @@ class TokenData:
         raise ValueError(f"the {name} split has {len(part)} tokens, fewer than seq_len + 1 = "
                          f"{seq_len + 1}.")
     self.batch_size, self.seq_len, self.seed, self.source = batch_size, seq_len, seed, source
-    rows = batch_size // process_count
-    self._rows = slice(process_index * rows, (process_index + 1) * rows)
+    self._rows = slice(b.process_index * b.rows, (b.process_index + 1) * b.rows)
     self.vocab_size = VOCAB_SIZE
 
   def _starts(self, tokens: np.ndarray, key: tuple) -> np.ndarray:
@@ -275,24 +291,26 @@ def _batches(window: Callable[[int], np.ndarray], first: int, count: int, *, see
 class GrainData:
   """Windows of a `TokenStream`: a grain iterator for training, random access for evaluation."""
 
-  def __init__(self, stream: TokenStream, *, source: str, what: str, vocab_size: int,
-               batch_size: int, seq_len: int, seed: int, process_index: int = 0,
-               process_count: int = 1, eval_fraction: float = EVAL_FRACTION):
+  def __init__(self, stream: TokenStream, batching: Batching, *, source: str, what: str,
+               vocab_size: int):
+    """`what` names the stream in errors; token ids must be below `vocab_size`."""
     import grain
 
-    width = seq_len + 1
+    b = batching
+    batch_size, seed = b.batch_size, b.seed
+    width = b.seq_len + 1
     windows = len(stream) // width
     if windows < 2:
       raise ValueError(f"{what} has {len(stream)} tokens; one train and one eval window of "
                        f"seq_len + 1 = {width} tokens need at least {2 * width}.")
-    held_out = max(1, int(windows * eval_fraction))
+    held_out = max(1, int(windows * b.eval_fraction))
     self.source, self.vocab_size = source, vocab_size
 
     def window(i: int) -> np.ndarray:  # [W]
       return stream.tokens(i * width, (i + 1) * width)
 
-    split = dict(seed=seed, rows=batch_size // process_count, process_index=process_index,
-                 process_count=process_count)
+    split = dict(seed=seed, rows=b.rows, process_index=b.process_index,
+                 process_count=b.process_count)
     train = _batches(window, 0, windows - held_out, **split)
     # Window k of the train sequence (batch s holds k in [s B, (s + 1) B)), for `position`.
     self._order = grain.MapDataset.range(0, windows - held_out).shuffle(seed=seed).repeat()
@@ -382,7 +400,7 @@ def make_data(config, *, process_index: int = 0, process_count: int = 1) -> Data
   `config.vocab_size` bounds the token ids of 'array_record'."""
   d = config.data
   _check_processes(d.batch_size, process_index, process_count)  # before reading any data
-  processes = dict(process_index=process_index, process_count=process_count)
+  batching = Batching(d.batch_size, d.seq_len, d.seed, process_index, process_count)
   names = sizes = None
   if d.source == "stdlib":
     tokens, names, sizes = stdlib_pieces(d.max_bytes)
@@ -395,9 +413,7 @@ def make_data(config, *, process_index: int = 0, process_count: int = 1) -> Data
       _check_array_records(paths, d.pattern)
       _check_vocabulary(paths, config.vocab_size)
     stream = file_stream(paths) if as_bytes else array_record_stream(paths)
-    return GrainData(stream, source=d.source,
+    return GrainData(stream, batching, source=d.source,
                      what=f"config.data.pattern={d.pattern!r} ({len(paths)} file(s))",
-                     vocab_size=VOCAB_SIZE if as_bytes else config.vocab_size,
-                     batch_size=d.batch_size, seq_len=d.seq_len, seed=d.seed, **processes)
-  return TokenData(tokens, batch_size=d.batch_size, seq_len=d.seq_len, seed=d.seed,
-                   source=d.source, files=names, sizes=sizes, **processes)
+                     vocab_size=VOCAB_SIZE if as_bytes else config.vocab_size)
+  return TokenData(tokens, batching, source=d.source, files=names, sizes=sizes)

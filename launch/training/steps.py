@@ -97,32 +97,11 @@ def _transformed(settings: Settings, mesh: Mesh) -> hk.Transformed:
   return hk.transform(forward)
 
 
-def make_steps(settings: Settings, mesh: Mesh) -> Steps:
-  """Builds the jitted steps of `settings` (its model, optimizer and MoE layers) on `mesh`;
-  the train step donates the state. Its outputs hold `skipped` (bool scalar: the loss or gradient norm was not finite; with
-  `config.skip_nonfinite_steps` the step then left params and optimizer state unchanged) and,
-  with `config.spikes.enabled`, `spike` (the step's loss or gradient norm spiked, so it left
-  them unchanged too) with the window's `spike_mean` and `spike_std` `[2]` (loss, gradient
-  norm). In
-  `moe.moe_dropless_fallback='step'` mode a step in which a MoE layer overflowed runs every
-  MoE layer from that one on the chunked dropless path (`moe_hk.step_mode`); its outputs
-  then hold `dropless` (bool scalar: the step ran dropless from an overflowing layer on)."""
-  config, layer_config = settings.config, settings.layer
-  step_mode = layer_config.moe_dropless_fallback == "step"
-  tx, schedule = make_optimizer(config)
-  batch_sharding = NamedSharding(mesh, P(tuple(mesh.axis_names)))
-  model = _transformed(settings, mesh)
-
+def _train_step(model: hk.Transformed, config, tx: optax.GradientTransformation,
+                schedule: optax.Schedule, step_mode: bool) -> Callable:
+  """`(state, batch [B, S + 1]) -> (state, outputs)`, not jitted: `make_steps` says what the
+  outputs hold."""
   spiking = config.spikes.enabled
-
-  def init(rng):
-    tokens = jnp.zeros((config.data.batch_size, config.data.seq_len), jnp.int32)
-    params = model.init(rng, tokens, None)
-    return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params),
-                      spikes_lib.empty(config.spikes.window) if spiking else None)
-
-  shapes = jax.eval_shape(init, jax.random.key(0))
-  state_sharding = sharding.state_shardings(shapes, mesh, layer_config, tx)
 
   def train_step(state, batch):
     loss = functools.partial(loss_fn, model, config)
@@ -148,7 +127,36 @@ def make_steps(settings: Settings, mesh: Mesh) -> Steps:
     new_state = TrainState(state.step + 1, params, opt_state, window)
     return new_state, {"loss": ce, "grad_norm": grad_norm, "skipped": ~finite,
                        "learning_rate": schedule(state.step), "moe_stats": stats, **extra}
+  return train_step
 
+
+def make_steps(settings: Settings, mesh: Mesh) -> Steps:
+  """Builds the jitted steps of `settings` (its model, optimizer and MoE layers) on `mesh`;
+  the train step donates the state. Its outputs hold `loss` (cross-entropy), `grad_norm`,
+  `learning_rate`, the MoE layers' `moe_stats` (fields `[layers, ...]`) and `skipped` (bool
+  scalar: the loss or gradient norm was not finite; with `config.skip_nonfinite_steps` the
+  step then left params and optimizer state unchanged); with `config.spikes.enabled`, `spike`
+  (the step's loss or gradient norm spiked, so it left them unchanged too) with the window's
+  `spike_mean` and `spike_std` `[2]` (loss, gradient norm). In
+  `moe.moe_dropless_fallback='step'` mode a step in which a MoE layer overflowed runs every
+  MoE layer from that one on the chunked dropless path (`moe_hk.step_mode`); its outputs
+  then hold `dropless` (bool scalar: the step ran dropless from an overflowing layer on).
+  `launch.training.step_record` reads them on the host."""
+  config, layer_config = settings.config, settings.layer
+  tx, schedule = make_optimizer(config)
+  batch_sharding = NamedSharding(mesh, P(tuple(mesh.axis_names)))
+  model = _transformed(settings, mesh)
+
+  def init(rng):
+    tokens = jnp.zeros((config.data.batch_size, config.data.seq_len), jnp.int32)
+    params = model.init(rng, tokens, None)
+    return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params),
+                      spikes_lib.empty(config.spikes.window) if config.spikes.enabled else None)
+
+  shapes = jax.eval_shape(init, jax.random.key(0))
+  state_sharding = sharding.state_shardings(shapes, mesh, layer_config, tx)
+  train_step = _train_step(model, config, tx, schedule,
+                           step_mode=layer_config.moe_dropless_fallback == "step")
   eval_loss = jax.jit(lambda params, batch: loss_fn(model, config, params, batch, None)[1][0],
                       in_shardings=(state_sharding.params, batch_sharding))
   train = jax.jit(train_step, in_shardings=(state_sharding, batch_sharding),

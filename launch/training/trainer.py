@@ -11,19 +11,12 @@ the same with one process or many (`jax.distributed`).
 """
 from __future__ import annotations
 
-import functools
 import os
-import signal
-import sys
-import threading
 import time
-from typing import NamedTuple
+from typing import Mapping
 
 import jax
 import ml_collections
-import numpy as np
-from absl import logging
-from jax.experimental import multihost_utils
 
 import metrics
 import moe_hk
@@ -33,15 +26,17 @@ from launch import cli
 from launch.settings import Settings
 from launch.training import console as console_lib
 from launch.training import data as data_lib
-from launch.training import programs, record, throughput
-from launch.training.checkpoints import Checkpoints, Restored
-from launch.training.reporter import Pending, Reporter, Speed
-from launch.training.steps import Steps, abstract_inputs, make_steps
+from launch.training import programs, record, step_alerts, step_consumers, throughput
+from launch.training.checkpoints import Checkpoints, GetSetState, Stateful
+from launch.training.loop import Loop, Run
+from launch.training.reporter import Reporter
+from launch.training.step_hooks import Hooks
+from launch.training.steps import abstract_inputs, make_steps
 from metrics import factor_rule, traffic
 from metrics.evidence import Evidence
 from metrics.alerts import ALERTS_FILE
 from metrics.run_folder import run_dir
-from moe_hk import dispatch_plan
+from moe_hk import buffer_size
 
 
 def flat_hparams(config: ml_collections.ConfigDict) -> dict:
@@ -50,59 +45,7 @@ def flat_hparams(config: ml_collections.ConfigDict) -> dict:
           if isinstance(value, (bool, int, float, str))}
 
 
-class _Stop:
-  """SIGTERM and SIGINT (Ctrl-C) as a request the loop reads after each step, all processes
-  agreeing on it: the step finishes, is checkpointed and the run returns. A second SIGINT
-  ends the process at once (exit status 130): orbax renames a checkpoint into place only
-  once it is complete, so the newest complete one stays intact."""
-
-  def __init__(self):
-    self.signal: int | None = None  # the first stop signal received
-    self._previous = {}
-    if threading.current_thread() is threading.main_thread():
-      for number in (signal.SIGTERM, signal.SIGINT):
-        self._previous[number] = signal.signal(number, self._handle)
-
-  def _handle(self, signum, frame):
-    if self.signal is not None and signum == signal.SIGINT:
-      sys.stderr.write("second Ctrl-C: exiting now, without a checkpoint of this step (the "
-                       "newest complete checkpoint stays as it is).\n")
-      os._exit(130)
-    name = "SIGINT (Ctrl-C)" if signum == signal.SIGINT else "SIGTERM"
-    if jax.process_index() == 0:
-      logging.warning("%s: finishing the current step, then checkpointing%s.", name,
-                      " (Ctrl-C again exits at once)" if signum == signal.SIGINT else "")
-    self.signal = self.signal or signum
-
-  @property
-  def interrupted(self) -> bool:
-    """Whether the run was stopped by Ctrl-C (its exit status is then 130, not 0)."""
-    return self.signal == signal.SIGINT
-
-  def should_stop(self) -> bool:
-    if jax.process_count() == 1:
-      return self.signal is not None
-    requested = np.int32(self.signal is not None)
-    return bool(np.max(multihost_utils.process_allgather(requested)))
-
-  def restore(self) -> None:
-    for number, previous in self._previous.items():
-      signal.signal(number, previous)
-
-
-class _Run(NamedTuple):
-  """What a run is set up with before its first step."""
-  settings: Settings
-  workdir: str
-  mesh: jax.sharding.Mesh
-  data: data_lib.Data
-  steps: Steps
-  console: console_lib.Console
-  checkpoints: Checkpoints
-  restored: Restored | None
-
-
-def _setup(settings: Settings, workdir: str) -> _Run:
+def _setup(settings: Settings, workdir: str) -> Run:
   """The mesh, data, steps and checkpoints of the run, checked before anything compiles (the
   config against the workdir's record first: `record`); once the checkpoint is restored the
   config is recorded as `workdir/config.json` (for the next start and `launch.batch`)."""
@@ -126,7 +69,7 @@ def _setup(settings: Settings, workdir: str) -> _Run:
     console.line(f"changed since the last start: {', '.join(start.changed)}")
   for line in record.schedule_notes(start, step):
     console.line(line)
-  return _Run(settings, workdir, mesh, data, steps, console, checkpoints, restored)
+  return Run(settings, workdir, mesh, data, steps, console, checkpoints, restored)
 
 
 def _check_workdir(workdir: str) -> None:
@@ -153,22 +96,24 @@ def _evidence(settings: Settings, worst_case: float) -> Evidence:
   section, factor = settings.config.autopilot, settings.layer.ragged_buffer_factor
   rule = factor_rule.Rule(section.target_fallback_frequency, section.max_fallback_frequency,
                           min_steps=section.min_steps)
-  return Evidence(worst_case=worst_case, factor=factor if factor > 0 else worst_case, rule=rule,
-                  window=section.window, priced=section.objective == "throughput")
+  return Evidence(worst_case=worst_case, factor=buffer_size.factor_in_force(factor, worst_case),
+                  rule=rule, window=section.window, priced=section.objective == "throughput")
 
 
-def _autopilot(run: _Run, moe_metrics: metrics.MoEMetrics) -> autopilot.Autopilot | None:
-  """The buffer-factor autopilot of `config.autopilot`, or None when it is off."""
+def _autopilot(run: Run, evidence: Evidence, alerts: metrics.AlertManager
+               ) -> autopilot.Autopilot | None:
+  """The buffer-factor autopilot of `config.autopilot` on the run's `evidence`, its factor
+  changes sent to `alerts`; None when it is off."""
   settings = run.settings
   pilot = settings.config.autopilot
   if not pilot.enabled:
     return None
-  controller = autopilot.FactorController(moe_metrics.aggregator.evidence, window=pilot.window)
+  controller = autopilot.FactorController(evidence, window=pilot.window)
   cache = autopilot.ProgramCache(programs.compiler(settings, run.mesh, run.steps),
                                  budget_bytes=programs.memory_budget_bytes(settings, run.mesh),
                                  max_programs=pilot.max_programs)
   def on_change(step, old, new, decision):
-    moe_metrics.alerts.factor_changed(step, old, new, decision.reason, decision.evidence)
+    alerts.send(step_alerts.factor_changed(step, old, new, decision), limited=False)
   return autopilot.Autopilot(controller, cache, on_change=on_change, wait=pilot.wait)
 
 
@@ -179,126 +124,6 @@ def _alerts_written(workdir: str) -> int:
     return 0
   with open(path) as f:
     return sum(1 for _ in f)
-
-
-class _Loop:
-  """The steps of one run from its first to its last or a stop: dispatch, fetch, eval,
-  checkpoint (`run`)."""
-
-  def __init__(self, run: _Run, state, reporter: Reporter, moe_metrics: metrics.MoEMetrics,
-               pilot: autopilot.Autopilot | None, stop_after: int | None):
-    self.run_ = run
-    self.config = run.settings.config
-    self.state = state
-    self.reporter = reporter
-    self.moe_metrics = moe_metrics
-    self.pilot = pilot
-    self.stop_after = stop_after
-    self.stop = _Stop()
-    self.pending: list[Pending] = []
-    self.first = int(state.step)
-
-  def save(self, step: int) -> None:
-    self.run_.checkpoints.save(step, self.state, self.run_.data.get_state(),
-                               self.moe_metrics.aggregator.state_dict(),
-                               {} if self.pilot is None else self.pilot.state_dict(),
-                               self.moe_metrics.alerts.state_dict())
-
-  def stop_if_nonfinite(self, fetched: int, step: int) -> None:
-    """After a fetch through step `fetched`, with steps up to `step` dispatched: once too
-    many steps in a row were skipped, fetches the rest and stops the run with a checkpoint at
-    `step + 1`."""
-    skipped, limit = (self.reporter.totals.consecutive_skipped,
-                      self.config.max_consecutive_nonfinite)
-    if not ((self.config.skip_nonfinite_steps or self.config.spikes.enabled) and
-            skipped >= limit):
-      return
-    self.reporter.flush(self.pending, stopping=True, cut_short=True)
-    self.save(step + 1)
-    self.run_.checkpoints.wait()
-    raise UserError(
-        f"{skipped} steps in a row up to step {fetched} had a non-finite or spiking loss or "
-        f"gradient norm (config.max_consecutive_nonfinite={limit}); they changed nothing, and "
-        f"the state is checkpointed after step {step} (checkpoints/{step + 1}): check the data "
-        f"({_batch_command(self.run_.workdir, fetched)}) and the learning rate, then rerun to "
-        "resume.")
-
-  def _batch(self, rows: np.ndarray) -> jax.Array:
-    """This process's rows `[B / processes, S + 1]` of the global batch, on its devices."""
-    return jax.make_array_from_process_local_data(
-        self.run_.steps.batch_sharding, rows, (self.config.data.batch_size, *rows.shape[1:]))
-
-  def _first_step(self, train, batch):
-    """Runs the first step, which compiles, and says how long it took."""
-    console = self.run_.console
-    console.line("compiling the train step (it runs once compiled) ...")
-    started = time.perf_counter()
-    self.state, out = train(self.state, batch)
-    jax.block_until_ready(out["loss"])
-    seconds = time.perf_counter() - started
-    console.line(f"first step: {seconds:.1f} s (compilation included)")
-    if self.pilot is not None:
-      self.pilot.compile_seconds = max(self.pilot.compile_seconds, seconds)
-    return out
-
-  def _evaluate(self, step: int) -> None:
-    config, run = self.config, self.run_
-    loss = float(np.mean([run.steps.eval_loss(self.state.params,
-                                              self._batch(run.data.eval_batch(i)))
-                          for i in range(config.eval_batches)]))
-    self.reporter.totals.eval_loss = loss
-    self.reporter.writer.write_scalars(step, {"eval/loss": loss})
-    self.reporter.disturbed()
-
-  def run(self, train, factor: float) -> None:
-    """Trains from the state's step to `config.train_steps`, or to a stop. An interval
-    fetched at a plain log boundary waits until the next step is dispatched, so the device
-    computes that step while the host writes the interval's points."""
-    reporter = self.reporter
-    deferred: list[Pending] = []
-    for step in range(self.first, self.config.train_steps):
-      switched = None if self.pilot is None else self.pilot.switch(step)
-      if switched is not None:
-        train, factor = switched.step, switched.factor
-      batch = self._batch(self.run_.data.train_batch(step))
-      if step == self.first:
-        out = self._first_step(train, batch)
-      else:
-        self.state, out = train(self.state, batch)
-      fetched = deferred[-1].step if deferred else None
-      reporter.flush(deferred)
-      if switched is not None:
-        reporter.disturbed()
-      self.pending.append(Pending(step, out, factor))
-      if fetched is not None:
-        self.stop_if_nonfinite(fetched, step)
-      if self._after_step(step, deferred):
-        break
-
-  def _after_step(self, step: int, deferred: list[Pending]) -> bool:
-    """Fetches, evaluates and checkpoints as step `step`'s boundary asks; True to stop."""
-    config, reporter = self.config, self.reporter
-    done = step + 1 == config.train_steps
-    evaluate = (step + 1) % config.eval_every == 0 or done
-    saving = self.run_.checkpoints.should_save(step + 1)
-    boundary = evaluate or saving or (step + 1) % config.log_every == 0
-    stopping = (self.stop_after is not None and step + 1 >= self.stop_after) or (
-        self.stop.should_stop() if boundary or jax.process_count() == 1 else False)
-    if boundary and not (evaluate or saving or stopping):
-      deferred[:], self.pending = self.pending, []
-    elif boundary or stopping:
-      reporter.flush(self.pending, stopping=stopping and not done,
-                     cut_short=stopping and not boundary)
-      self.stop_if_nonfinite(step, step)
-    if evaluate:
-      self._evaluate(step)
-    if saving or stopping or done:
-      self.save(step + 1)
-      reporter.disturbed()
-    if stopping:
-      self.run_.console.line(f"stopping after step {step} with a checkpoint "
-                             f"(checkpoints/{step + 1})")
-    return stopping
 
 
 def train_and_evaluate(settings: Settings, workdir: str, stop_after: int | None = None
@@ -331,17 +156,17 @@ def train_and_evaluate(settings: Settings, workdir: str, stop_after: int | None 
   alerts_before = _alerts_written(workdir)
   started = time.perf_counter()
   loop = _train(run, state, stop_after)
-  _summary(run, loop.reporter, loop.first, time.perf_counter() - started,
+  _summary(run, loop.totals, loop.first, time.perf_counter() - started,
            _alerts_written(workdir) - alerts_before)
   run.checkpoints.close()
   if loop.stop.interrupted:
     raise Interrupted(f"stopped by Ctrl-C after step "
-                      f"{loop.first + len(loop.reporter.losses) - 1} with a checkpoint; the "
+                      f"{loop.first + len(loop.totals.losses) - 1} with a checkpoint; the "
                       "same command resumes.")
-  return loop.reporter.losses
+  return loop.totals.losses
 
 
-def _finish_checkpoint(run: _Run, state) -> None:
+def _finish_checkpoint(run: Run, state) -> None:
   """Waits for the run's last checkpoint, saying on the console what it writes and, once
   written, how long the wait took (a large state's write outlasts the last step line)."""
   step = run.checkpoints.writing
@@ -356,26 +181,36 @@ def _finish_checkpoint(run: _Run, state) -> None:
   run.console.line(f"checkpoint {step} written ({time.perf_counter() - started:.1f} s)")
 
 
-def _train(run: _Run, state, stop_after: int | None) -> _Loop:
+def _train(run: Run, state, stop_after: int | None) -> Loop:
   """Opens the run's writers and telemetry, resumes what the checkpoint holds and runs the
-  loop; returns it, finished."""
+  loop; returns it, finished. The run's `Evidence` is made here and handed to what reads and
+  writes it: the MoE telemetry (each step), the interval timings (each clean fetch) and the
+  autopilot (the factor in force, refused factors)."""
   settings, layer, workdir = run.settings, run.settings.layer, run.workdir
-  worst = dispatch_plan.worst_case_factor(layer.num_experts, layer.num_experts_per_tok,
-                                          settings.expert_shards)
+  worst = buffer_size.worst_case_factor(layer.num_experts, layer.num_experts_per_tok,
+                                        settings.expert_shards)
+  evidence = _evidence(settings, worst)
+  # Every process runs the alert rules; only process 0 logs and writes them.
+  first = jax.process_index() == 0
+  alerts = metrics.AlertManager(worst_case_factor=worst, workdir=workdir if first else None,
+                                log=first)
   pilot = None
   try:
     # The run's event files: the trainer's scalars, and the MoE layers' through moe_metrics.
     with metrics.MoEMetricsWriter(run_dir(workdir)) as writer, metrics.MoEMetrics(
-        workdir, worst_case_factor=worst, evidence=_evidence(settings, worst), writer=writer,
-        flush_on_sigterm=False, alert_sinks=jax.process_index() == 0) as moe_metrics:
+        workdir, worst_case_factor=worst, evidence=evidence, alerts=alerts, writer=writer,
+        flush_on_sigterm=False) as moe_metrics:
       writer.write_hparams(flat_hparams(settings.config))
-      pilot = _autopilot(run, moe_metrics)
-      train, factor = _resume(run, moe_metrics, pilot)
-      flops = throughput.model_flops(state.params, settings.config, layer)
-      reporter = Reporter(settings.config, writer, moe_metrics, _speed(settings, flops),
-                          _recorder(run), pilot, run.console, run.data.position,
-                          functools.partial(_batch_command, workdir))
-      loop = _Loop(run, state, reporter, moe_metrics, pilot, stop_after)
+      pilot = _autopilot(run, evidence, alerts)
+      parts = {"data": GetSetState(run.data), "moe_metrics": moe_metrics.aggregator,
+               "alerts": alerts, **({} if pilot is None else {"autopilot": pilot})}
+      train, factor = _resume(run, parts, evidence, pilot)
+      totals = step_consumers.Totals()
+      hooks = _hooks(run, totals, writer, moe_metrics, evidence, pilot, state)
+      compiles = lambda: (0, False) if pilot is None else (pilot.cache.compiled,
+                                                          pilot.cache.busy())
+      loop = Loop(run, state, Reporter(hooks, compiles), totals, writer, parts, pilot,
+                  stop_after)
       try:
         loop.run(train, factor)
         _finish_checkpoint(run, loop.state)
@@ -387,23 +222,48 @@ def _train(run: _Run, state, stop_after: int | None) -> _Loop:
   return loop
 
 
-def _resume(run: _Run, moe_metrics: metrics.MoEMetrics, pilot: autopilot.Autopilot | None):
-  """Applies the restored checkpoint's data, metrics and autopilot state; returns the program
-  to start with and its buffer factor (the autopilot's, when it resumed at another)."""
+def _hooks(run: Run, totals: step_consumers.Totals, writer: metrics.MoEMetricsWriter,
+           moe_metrics: metrics.MoEMetrics, evidence: Evidence,
+           pilot: autopilot.Autopilot | None, state) -> Hooks:
+  """The consumers of the run's finished steps, in the order each record reaches them: the
+  totals first (the scalars read them); the MoE telemetry before the autopilot (it puts the
+  step into the evidence the autopilot decides on) and before the skip alerts (a step's
+  overflow alerts come first); the writer's flush after everything written; the console
+  last."""
+  config, consumers = run.settings.config, step_consumers
+  speed = _speed(run.settings, throughput.model_flops(state.params, config, run.settings.layer))
+  source = lambda step: step_alerts.BatchSource(
+      run.data.position(step), step_alerts.batch_command(run.workdir, step))
+  hooks = Hooks()
+  hooks.add("totals", totals)
+  if config.moe_metrics:
+    hooks.add("moe_telemetry", consumers.MoETelemetry(moe_metrics))
+  hooks.add("train_scalars", consumers.TrainScalars(writer, totals, speed,
+                                                    with_factor=config.moe_metrics))
+  hooks.add("skip_alerts", consumers.SkipAlerts(moe_metrics.alerts, config.spikes, source))
+  if pilot is not None:
+    hooks.add("autopilot", consumers.AutopilotSteps(pilot, config.train_steps))
+  hooks.add("interval_timings", consumers.IntervalTimings(evidence))
+  recorder = _recorder(run)
+  if recorder is not None:
+    hooks.add("traffic", consumers.TrafficRecording(recorder))
+  hooks.add("flush_writer", consumers.FlushWriter(writer))
+  hooks.add("progress", consumers.Progress(run.console, speed))
+  return hooks
+
+
+def _resume(run: Run, parts: Mapping[str, Stateful], evidence: Evidence,
+            pilot: autopilot.Autopilot | None):
+  """Loads the restored checkpoint into `parts`; returns the program to start with and its
+  buffer factor (the autopilot's, when it resumed at another)."""
   restored, factor = run.restored, run.settings.layer.ragged_buffer_factor
   if restored is not None:
-    run.data.set_state(restored.data)
-    moe_metrics.aggregator.load_state_dict(restored.moe_metrics)
-    if restored.alerts:
-      moe_metrics.alerts.load_state_dict(restored.alerts)
-    if pilot is not None and restored.autopilot:
-      pilot.load_state_dict(restored.autopilot)
+    restored.apply(parts)
     run.console.line(f"resumed from {run.checkpoints.directory}/{restored.step}: the next "
                      f"step is {restored.step}")
   if pilot is None:
     # Without the autopilot the config's factor is in force, whatever the checkpoint's was.
-    moe_metrics.aggregator.evidence.set_factor(
-        factor if factor > 0 else moe_metrics.alerts.worst_case_factor)
+    evidence.set_factor(buffer_size.factor_in_force(factor, evidence.worst_case))
     return run.steps.train, factor
   if pilot.factor != factor:
     return pilot.cache.compile_now(pilot.factor).step, pilot.factor
@@ -411,20 +271,15 @@ def _resume(run: _Run, moe_metrics: metrics.MoEMetrics, pilot: autopilot.Autopil
   return run.steps.train, factor
 
 
-def _batch_command(workdir: str, step: int) -> str:
-  """The command that prints step `step`'s batch (`launch.batch`)."""
-  return cli.runnable("python", "-m", "launch.batch", f"--workdir={workdir}", f"--step={step}")
-
-
-def _speed(settings: Settings, flops: float) -> Speed:
+def _speed(settings: Settings, flops: float) -> step_consumers.Speed:
   """The model's FLOPs per step (`flops`) and the devices' peak, for the MFU."""
   config, device = settings.config, jax.devices()[0]
-  return Speed(config.data.batch_size * config.data.seq_len, flops,
-               jax.device_count(), throughput.peak_tflops(device.device_kind, device.platform,
-                                                          config.peak_tflops_per_device))
+  return step_consumers.Speed(
+      config.data.batch_size * config.data.seq_len, flops, jax.device_count(),
+      throughput.peak_tflops(device.device_kind, device.platform, config.peak_tflops_per_device))
 
 
-def _recorder(run: _Run) -> traffic.TrafficRecorder | None:
+def _recorder(run: Run) -> traffic.TrafficRecorder | None:
   """Process 0's traffic recorder when `config.traffic.record`, else None."""
   config, layer = run.settings.config, run.settings.layer
   if not (config.traffic.record and jax.process_index() == 0):
@@ -434,9 +289,10 @@ def _recorder(run: _Run) -> traffic.TrafficRecorder | None:
       tokens_per_device=_tokens_per_device(config), max_bytes=config.traffic.max_mib * 1024 ** 2)
 
 
-def _summary(run: _Run, reporter: Reporter, first: int, seconds: float, alerts: int) -> None:
+def _summary(run: Run, totals: step_consumers.Totals, first: int, seconds: float,
+             alerts: int) -> None:
   """The run's last lines: what it did and where its outputs are."""
-  totals, losses, console = reporter.totals, reporter.losses, run.console
+  losses, console = totals.losses, run.console
   if not losses:
     return
   evaluated = "" if totals.eval_loss is None else f" (eval {totals.eval_loss:.4g})"
