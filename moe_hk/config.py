@@ -11,6 +11,8 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from moe_hk.buffer_size import WORST_CASE
+
 FALLBACK_MODES = ("none", "layer", "step")
 FALLBACK_CHUNKINGS = ("fixed", "adaptive")
 A2A_IMPLS = ("auto", "native", "emulated")
@@ -124,7 +126,7 @@ class MoEConfig:
             f"must be in [1, num_experts={self.num_experts}]")
     factor = self.ragged_buffer_factor
     if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not (
-        factor == -1 or factor > 0):
+        factor == WORST_CASE or factor > 0):
       _fail("ragged_buffer_factor", factor, "must be -1 (worst-case buffer) or > 0")
     self._check_choice("moe_dropless_fallback", FALLBACK_MODES)
     self._check_choice("dropless_fallback_chunking", FALLBACK_CHUNKINGS)

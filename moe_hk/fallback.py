@@ -85,7 +85,7 @@ def fallback_num_chunks(*, batch: int, seq: int, k: int, shards: int, local_expe
   for n in range(1, seq + 1):
     if seq % n == 0 and chunk_rows(n) <= rows:
       return n
-  need = shards * batch * min(k, local_experts) / rows
+  need = chunk_rows(seq) / rows
   raise ValueError(
       f"no dropless fallback fits: the capped buffer holds {rows} rows, but even chunks of one "
       f"position need {chunk_rows(seq)} ({shards} shards x batch {batch} x min(K={k}, "
