@@ -18,6 +18,7 @@ FALLBACK_CHUNKINGS = ("fixed", "adaptive")
 A2A_IMPLS = ("auto", "native", "emulated")
 GMM_IMPLS = ("auto", "ragged_dot", "blocked", "megablox", "tokamax")
 ROUTER_SCORES = ("softmax", "sigmoid")
+ROUTER_WEIGHTS_ON = ("output", "input")
 DTYPES = ("float32", "bfloat16")
 
 
@@ -72,6 +73,10 @@ class MoEConfig:
       probabilities to sum to 1 (the softmax over their logits: Mixtral, Qwen3-MoE's
       `norm_topk_prob=True`); False keeps each one's probability under the softmax over all
       E logits (Qwen3-MoE's `norm_topk_prob=False`). 'sigmoid' needs True (no sum to keep).
+    router_weights_on: Where a token's router weight applies: 'output' (default) weighs each
+      of its K experts' outputs before they are summed (Mixtral, Qwen3-MoE); 'input' scales
+      the row each expert receives and sums the K outputs as they are (Llama 4, whose sigmoid
+      scores multiply the routed expert's input). The two differ: SwiGLU is not linear.
     dtype: Compute dtype of the expert matmuls, 'float32' or 'bfloat16' (a name or a jnp
       dtype, stored as its name); parameters stay float32.
     load_balance_loss_weight: Weight of the Switch-style load-balance loss in
@@ -108,6 +113,7 @@ class MoEConfig:
   gmm_block_rows: int = 128
   router_score: str = "softmax"
   norm_topk_prob: bool = True
+  router_weights_on: str = "output"
   dtype: str = "float32"
   load_balance_loss_weight: float = 0.01
   router_z_loss_weight: float = 0.0
@@ -133,6 +139,7 @@ class MoEConfig:
     self._check_choice("a2a_impl", A2A_IMPLS)
     self._check_choice("gmm_impl", GMM_IMPLS)
     self._check_choice("router_score", ROUTER_SCORES)
+    self._check_choice("router_weights_on", ROUTER_WEIGHTS_ON)
     if not isinstance(self.norm_topk_prob, bool) or (
         not self.norm_topk_prob and self.router_score != "softmax"):
       _fail("norm_topk_prob", self.norm_topk_prob,

@@ -21,10 +21,24 @@ from moe_hk.grouped_matmul import expert_mlp
 from moe_hk.routing import tokens_per_expert
 
 
-def combine_rows(rows: jax.Array, weights: jax.Array) -> jax.Array:
-  """Weighted sum over K: rows `[T * K, D]` in (t, k) order, weights `[T, K]` -> `[T, D]` f32."""
+def combine_rows(rows: jax.Array, weights: jax.Array, config: MoEConfig) -> jax.Array:
+  """Sum over K of rows `[T * K, D]` in (t, k) order -> `[T, D]` float32: weighted by
+  `weights [T, K]` when the router weighs outputs (`config.router_weights_on`), else as they
+  are (the weights scaled the inputs: `weighted_inputs`)."""
   tokens, k = weights.shape
-  return jnp.einsum("tk,tkd->td", weights, rows.reshape(tokens, k, -1).astype(jnp.float32))
+  rows = rows.reshape(tokens, k, -1).astype(jnp.float32)
+  if config.router_weights_on == "input":
+    return jnp.sum(rows, axis=1)
+  return jnp.einsum("tk,tkd->td", weights, rows)
+
+
+def weighted_inputs(rows: jax.Array, row_weights: jax.Array, config: MoEConfig) -> jax.Array:
+  """Rows `[N, D]` (compute dtype) bound for experts, each scaled by its router weight
+  `row_weights [N]` when the router weighs inputs (`config.router_weights_on='input'`), else
+  as they are."""
+  if config.router_weights_on != "input":
+    return rows
+  return (rows.astype(jnp.float32) * row_weights[:, None]).astype(rows.dtype)
 
 
 def grouped_experts_mlp(rows: jax.Array, experts: ExpertWeights, group_sizes: jax.Array,
@@ -62,7 +76,8 @@ def ragged_moe(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, experts:
   axis = config.expert_axis
   _, k = expert_ids.shape
   order = jnp.argsort(expert_ids.reshape(-1), stable=True)       # [N], by expert
-  sorted_rows = x.astype(config.compute_dtype)[order // k]       # [N, D]
+  sorted_rows = weighted_inputs(x.astype(config.compute_dtype)[order // k],
+                                weights.reshape(-1)[order], config)   # [N, D]
   plan = dispatch_plan.make_plan(gather_counts(expert_ids, config), jax.lax.axis_index(axis),
                                  rows)
   buffer = ragged_all_to_all(sorted_rows, jnp.zeros((rows, x.shape[-1]), sorted_rows.dtype),
@@ -73,4 +88,4 @@ def ragged_moe(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, experts:
                             backends)[jnp.argsort(by_expert)]  # [R, D], buffer order
   returned = ragged_all_to_all(out, jnp.zeros_like(sorted_rows), plan.combine, axis,
                                backends.a2a)                     # [N, D]
-  return combine_rows(returned[jnp.argsort(order)], weights)
+  return combine_rows(returned[jnp.argsort(order)], weights, config)

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from moe_hk.config import MoEConfig
 from moe_hk.expert_types import Backends, ExpertWeights
-from moe_hk.ragged_path import grouped_experts_mlp, grouped_rows
+from moe_hk.ragged_path import grouped_experts_mlp, grouped_rows, weighted_inputs
 
 
 def ring_moe(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, experts: ExpertWeights,
@@ -39,9 +39,13 @@ def ring_moe(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, experts: E
   counts = jnp.zeros((local + 1,), jnp.int32).at[label].add(1)[:local]
   before = jnp.cumsum(counts) - counts
   group_sizes = jnp.clip(rows - before, 0, counts)               # [L] kept prefix per expert
-  out = grouped_experts_mlp(grouped_rows(gathered_x, picked // k, group_sizes), experts,
-                            group_sizes, config, backends)       # [R, D], 0 past the kept rows
-  weighted = out.astype(jnp.float32) * gathered_w[picked][:, None]
+  picked_w = gathered_w[picked]                                  # [R]
+  rows_in = weighted_inputs(grouped_rows(gathered_x, picked // k, group_sizes), picked_w,
+                            config)
+  out = grouped_experts_mlp(rows_in, experts, group_sizes, config,
+                            backends)                            # [R, D], 0 past the kept rows
+  out = out.astype(jnp.float32)
+  weighted = out if config.router_weights_on == "input" else out * picked_w[:, None]
   tokens_out = jnp.zeros((gathered_x.shape[0], x.shape[-1]), jnp.float32)
   tokens_out = tokens_out.at[picked // k].add(weighted)          # [G, D]
   return jax.lax.psum_scatter(tokens_out, axis, scatter_dimension=0, tiled=True)

@@ -49,19 +49,20 @@ def outputs_and_grads(fn, params, x, cotangent):
   return y, aux, grads
 
 
-def dense_reference(k: int, score: str = "softmax", keep=None):
+def dense_reference(k: int, score: str = "softmax", keep=None, weights_on: str = "output"):
   """The tests' reference as `fn(params, x) -> (y, None)` with MoEParams-shaped gradients."""
   def fn(params, x):
-    return reference.reference_moe(tuple(params), x, k=k, score=score, keep=keep), None
+    return reference.reference_moe(tuple(params), x, k=k, score=score, keep=keep,
+                                   weights_on=weights_on), None
   return fn
 
 
-@functools.partial(jax.jit, static_argnames=("k", "score"))
+@functools.partial(jax.jit, static_argnames=("k", "score", "weights_on"))
 def reference_outputs_and_grads(params, x, cotangent, keep=None, *, k: int,
-                                score: str = "softmax"):
-  """`outputs_and_grads` of `dense_reference(k, score, keep)`, compiled: one program per
-  shape instead of an eager dispatch (and compile) per primitive."""
-  return outputs_and_grads(dense_reference(k, score, keep), params, x, cotangent)
+                                score: str = "softmax", weights_on: str = "output"):
+  """`outputs_and_grads` of `dense_reference(k, score, keep, weights_on)`, compiled: one
+  program per shape instead of an eager dispatch (and compile) per primitive."""
+  return outputs_and_grads(dense_reference(k, score, keep, weights_on), params, x, cotangent)
 
 
 def per_device_stats(config: MoEConfig, mesh: Mesh, params: MoEParams, x, fields: tuple[str, ...]):

@@ -21,15 +21,30 @@ def reference_routing(router_w, x, k: int, score: str):
   return ids, weights, logits
 
 
-def reference_moe(params, x, *, k: int, score: str = "softmax", keep=None):
-  """`y[t] = sum_k keep * weight * SwiGLU_{e_k}(x[t])`; params = (router_w, wi_0, wi_1, wo)."""
+def _every_expert(x, wi_0, wi_1, wo):
+  """`[B, S, E, D]`: every expert's SwiGLU of every token of `x [B, S, D]`."""
+  h = jax.nn.silu(jnp.einsum("bsd,edf->bsef", x, wi_0)) * jnp.einsum("bsd,edf->bsef", x, wi_1)
+  return jnp.einsum("bsef,efd->bsed", h, wo)
+
+
+def reference_moe(params, x, *, k: int, score: str = "softmax", keep=None,
+                  weights_on: str = "output"):
+  """`y[t] = sum_k keep * weight * SwiGLU_{e_k}(x[t])` (`weights_on='output'`), or
+  `sum_k keep * SwiGLU_{e_k}(weight * x[t])` ('input', Llama 4); params = (router_w, wi_0,
+  wi_1, wo)."""
   router_w, wi_0, wi_1, wo = params
   ids, weights, _ = reference_routing(router_w, x, k, score)
-  h = jax.nn.silu(jnp.einsum("bsd,edf->bsef", x, wi_0)) * jnp.einsum("bsd,edf->bsef", x, wi_1)
-  every_expert = jnp.einsum("bsef,efd->bsed", h, wo)               # [B, S, E, D]
-  chosen = jnp.take_along_axis(every_expert, ids[..., None], axis=2)  # [B, S, K, D]
+  if weights_on == "output":
+    chosen = jnp.take_along_axis(_every_expert(x, wi_0, wi_1, wo), ids[..., None], axis=2)
+  else:  # the k-th choice's expert runs on the token scaled by the k-th weight
+    chosen = jnp.stack([
+        jnp.take_along_axis(_every_expert(x * weights[..., j, None], wi_0, wi_1, wo),
+                            ids[..., j, None, None], axis=2)[:, :, 0]
+        for j in range(k)], axis=2)                                 # [B, S, K, D]
   if keep is not None:
     chosen = chosen * keep[..., None]
+  if weights_on == "input":
+    return jnp.sum(chosen, axis=2)
   return jnp.einsum("bsk,bskd->bsd", weights, chosen)
 
 

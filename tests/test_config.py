@@ -28,6 +28,7 @@ BASE = dict(num_experts=8, num_experts_per_tok=2, emb_dim=16, mlp_dim=32)
     (dict(gmm_impl="cutlass"),
      r"gmm_impl='cutlass' .*'ragged_dot', 'blocked', 'megablox', 'tokamax'"),
     (dict(router_score="relu"), r"router_score='relu' .*'softmax', 'sigmoid'"),
+    (dict(router_weights_on="both"), r"router_weights_on='both' .*'output', 'input'"),
     (dict(dtype="float16"), r"dtype='float16' .*'float32', 'bfloat16'"),
     (dict(dtype=jnp.int32), r"dtype=<class 'jax.numpy.int32'> .*'float32', 'bfloat16'"),
     (dict(dtype="nonsense"), r"dtype='nonsense' .*'float32', 'bfloat16'"),

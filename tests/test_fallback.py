@@ -93,6 +93,30 @@ def test_layer_fallback_equals_dropless(ring, shards, experts, k, factor, seq, c
     assert_trees_close(grads_step, grads_ref, what="step-mode grad")
 
 
+@pytest.mark.parametrize("ring", [False, True], ids=["all_to_all", "ring"])
+def test_llama4_router_fallback_equals_dropless(ring):
+  """Llama 4's router (sigmoid scores on the routed expert's input): an overflowing layer's
+  fallback equals the dropless reference, outputs and every gradient; the capped layer drops
+  rows and diverges."""
+  shards, experts, k, factor, seq = OVERFLOW[2]
+  mesh = moe_hk.make_mesh(data=NUM_DEVICES // shards, expert=shards)
+  config = _config(experts, k, factor, use_ring_of_experts=ring, moe_dropless_fallback="layer",
+                   dropless_fallback_chunking="fixed", router_score="sigmoid",
+                   router_weights_on="input")
+  params, x = skewed_inputs(config, BATCH, seq, skew=1.5, seed=shards + k)
+  cot = jax.random.normal(jax.random.key(3), x.shape)
+  run = lambda fn: jax.jit(functools.partial(outputs_and_grads, fn))(params, x, cot)
+  y, stats, grads = run(_layer(config, mesh))
+  y_ref, _, grads_ref = reference_outputs_and_grads(params, x, cot, k=k, score="sigmoid",
+                                                    weights_on="input")
+  assert int(stats.would_drop_rows) > 0 and int(stats.fallback) == 1
+  assert int(stats.dropped_rows) == 0
+  assert_trees_close(y, y_ref, what="y")
+  assert_trees_close(grads, grads_ref, what="grad")
+  y_cap, stats_cap, _ = run(_layer(config.replace(moe_dropless_fallback="none"), mesh))
+  assert int(stats_cap.dropped_rows) > 0 and relative_error(y_cap, y_ref) > 1e-2
+
+
 @pytest.mark.parametrize("ring", [pytest.param(False, marks=pytest.mark.slow), True],
                          ids=["all_to_all", "ring"])
 def test_no_overflow_equals_model_without_fallback(ring):

@@ -60,7 +60,8 @@ def _assert_layer_matches_reference(shards, k, mult, factor, **overrides):
   layer = functools.partial(moe_hk.moe_forward, config=config, mesh=mesh)
   y, stats, grads = jax.jit(functools.partial(outputs_and_grads, layer))(params, x, cot)
   y_ref, _, grads_ref = reference_outputs_and_grads(params, x, cot, jnp.asarray(keep), k=k,
-                                                    score=config.router_score)
+                                                    score=config.router_score,
+                                                    weights_on=config.router_weights_on)
   assert_trees_close(y, y_ref, what="y")
   assert_trees_close(grads, grads_ref, what="grad")
 
@@ -110,6 +111,29 @@ def test_sigmoid_router_matches_dense_reference(ring, shards, k, mult, factor):
       shards, k, mult, factor, router_score="sigmoid", use_ring_of_experts=ring)
   assert (dropped > 0) == (factor != -1)
   assert np.linalg.norm(param_grads.router_w) > 0
+
+
+# (ring, P, K, experts per shard multiple, factor): the router's sigmoid scores on each routed
+# expert's input (Llama 4), capped so that rows drop, on both paths; top-2 shows the K inputs
+# scaled apart.
+INPUT_WEIGHT_CASES = [(False, 4, 1, 2, 0.5), (False, 2, 2, 2, 0.5), (True, 4, 2, 1, 0.5)]
+
+
+@pytest.mark.parametrize("ring,shards,k,mult,factor", INPUT_WEIGHT_CASES)
+def test_router_weights_on_the_input_match_dense_reference(ring, shards, k, mult, factor):
+  """`router_weights_on='input'`: outputs and every gradient equal the reference that runs
+  each chosen expert on the token scaled by its weight; the reference that weighs the outputs
+  instead is off by over 1% (SwiGLU is not linear; the skewed router's chosen scores sit near
+  1), a thousand times the comparison's tolerance."""
+  dropped, (param_grads, _) = _assert_layer_matches_reference(
+      shards, k, mult, factor, router_score="sigmoid", router_weights_on="input",
+      use_ring_of_experts=ring, gmm_impl=R)
+  assert dropped > 0 and np.linalg.norm(param_grads.router_w) > 0
+  _, config, params, x = _setup(shards, k, mult, factor, router_score="sigmoid")
+  on_input, on_output = (reference.reference_moe(tuple(params), x, k=k, score="sigmoid",
+                                                 weights_on=where)
+                         for where in ("input", "output"))
+  assert np.linalg.norm(on_input - on_output) > 1e-2 * np.linalg.norm(on_output)
 
 
 def test_ragged_dot_backend_matches_dense_reference():

@@ -73,6 +73,9 @@ def _moe(c: ml_collections.ConfigDict) -> None:
       # softmax: True weighs the K chosen experts by the softmax over their logits (Mixtral);
       # False by their share of the softmax over all E (Qwen3-MoE's norm_topk_prob=False).
       norm_topk_prob=True,
+      # 'output': each chosen expert's output is weighed by its router weight; 'input': the
+      # weight scales the row the expert receives (Llama 4).
+      router_weights_on="output",
       load_balance_loss_weight=0.01,
       router_z_loss_weight=1e-3,
       expert_axis="expert",             # the mesh axis experts are sharded over
