@@ -20,6 +20,7 @@ import ast
 import dataclasses
 import difflib
 import json
+import math
 import os
 import runpy
 import shlex
@@ -30,7 +31,8 @@ from absl import app
 
 import moe_hk
 from launch.errors import UserError, user_errors
-from launch.choices import ATTENTION_IMPLS, DATA_SOURCES, REMAT_POLICIES, SPIKE_MIN_STEPS
+from launch.choices import (ATTENTION_IMPLS, DATA_SOURCES, REMAT_POLICIES, ROPE_LAYOUTS, ROPE_SCALINGS,
+                            SPIKE_MIN_STEPS)
 from launch.planning import autopilot
 from moe_hk import mesh as mesh_lib
 
@@ -160,7 +162,21 @@ def saved(workdir: str) -> ml_collections.ConfigDict:
     raise UserError(f"{path}: no such file; --workdir must be a launch.train run's folder "
                     "(runs write their config there when they start).")
   with open(path) as f:
-    return ml_collections.ConfigDict(json.load(f))
+    return ml_collections.ConfigDict(with_defaults(json.load(f)))
+
+
+def with_defaults(recorded: dict) -> dict:
+  """A recorded config with every key added to the shipped default config since it was
+  written set to its default value (which keeps the model it recorded)."""
+  def fill(into: dict, defaults: dict) -> dict:
+    for key, value in defaults.items():
+      if key not in into:
+        into[key] = value
+      elif isinstance(value, dict) and isinstance(into[key], dict):
+        fill(into[key], value)
+    return into
+  return fill(json.loads(json.dumps(recorded)),
+              load(os.path.join(CONFIGS, "default.py")).to_dict())
 
 
 def as_flags(config: ml_collections.ConfigDict, flag: str = "config") -> list[str]:
@@ -254,6 +270,7 @@ def _check_model(config: ml_collections.ConfigDict) -> None:
            f"config.num_heads={config.num_heads} must be divisible by "
            f"config.num_kv_heads={config.num_kv_heads}.")
   _require(config.rope_theta > 0, f"config.rope_theta={config.rope_theta} must be > 0.")
+  _check_positions(config)
   _require(0 < config.norm_eps < 1, f"config.norm_eps={config.norm_eps} must be in (0, 1).")
   _one_of("attention_impl", config.attention_impl, ATTENTION_IMPLS)
   _one_of("remat_policy", config.remat_policy, REMAT_POLICIES)
@@ -263,6 +280,27 @@ def _check_model(config: ml_collections.ConfigDict) -> None:
     _require(config[name] >= 0 and (config[name] == 0 or seq % config[name] == 0),
              f"config.{name}={config[name]} must be 0 (whole sequence) or a divisor of "
              f"config.data.seq_len={seq}.")
+
+
+def _check_positions(config: ml_collections.ConfigDict) -> None:
+  """The keys of `launch.training.positions` and the layer pattern they make."""
+  _one_of("rope_layout", config.rope_layout, ROPE_LAYOUTS)
+  scaling = config.rope_scaling
+  _one_of("rope_scaling.type", scaling.type, ROPE_SCALINGS)
+  if scaling.type == "llama3":
+    _require(scaling.factor > 0 and scaling.original_max_positions > 0 and
+             0 < scaling.low_freq_factor < scaling.high_freq_factor,
+             f"config.rope_scaling={scaling.to_dict()}: llama3 needs factor > 0, "
+             "original_max_positions > 0 and 0 < low_freq_factor < high_freq_factor.")
+  for name in ("nope_every", "attention_chunk_size"):
+    _require(isinstance(config[name], int) and config[name] >= 0,
+             f"config.{name}={config[name]!r} must be an integer >= 0 (0: off).")
+  period = math.lcm(config.moe_every, config.nope_every or 1)
+  _require(config.num_layers % period == 0,
+           f"config.num_layers={config.num_layers} must be a multiple of {period}, the "
+           f"period of the layer pattern (moe_every={config.moe_every}, "
+           f"nope_every={config.nope_every}).")
+  _require(config.floor_scale > 0, f"config.floor_scale={config.floor_scale} must be > 0.")
 
 
 def _check_run(config: ml_collections.ConfigDict, layer: moe_hk.MoEConfig) -> None:

@@ -39,21 +39,26 @@ def _value_and_vjp(fn, q, k, v, cotangent):
   return jax.jit(run)(q, k, v, cotangent)
 
 
-def reference_attention(q, k, v):
+def reference_attention(q, k, v, chunk: int = 0):
   """Dense causal GQA in one einsum: query head (g, r) of `q [B, S, G, R, Dh]` attends with
-  key/value head g of `k, v [B, S, G, Dh]`, repeated R times."""
+  key/value head g of `k, v [B, S, G, Dh]`, repeated R times; `chunk` > 0: only to the keys of
+  its own chunk (positions c x chunk .. (c + 1) x chunk - 1)."""
   b, s, g, r, dh = q.shape
   queries = q.reshape(b, s, g * r, dh)  # head h = g * R + r
   keys, values = jnp.repeat(k, r, axis=2), jnp.repeat(v, r, axis=2)
   scores = jnp.einsum("bshd,bthd->bhst", queries, keys) / math.sqrt(dh)
   causal = np.tril(np.ones((s, s), bool))  # query i sees keys 0..i
+  if chunk:
+    chunks = np.arange(s) // chunk
+    causal &= chunks[:, None] == chunks[None, :]
   probs = jax.nn.softmax(jnp.where(causal, scores, -jnp.inf), axis=-1)
   return jnp.einsum("bhst,bthd->bshd", probs, values).reshape(q.shape)
 
 
-def _assert_matches_reference(fn, inputs, what: str) -> None:
+def _assert_matches_reference(fn, inputs, what: str, chunk: int = 0) -> None:
   out, grads = _value_and_vjp(fn, *inputs)
-  ref_out, ref_grads = _value_and_vjp(reference_attention, *inputs)
+  ref_out, ref_grads = _value_and_vjp(lambda q, k, v: reference_attention(q, k, v, chunk),
+                                      *inputs)
   assert out.dtype == jnp.float32
   assert_trees_close(out, ref_out, rtol=1e-5, what=what)
   assert_trees_close(grads, ref_grads, rtol=1e-5, what=f"d {what} / d(q, k, v)")
@@ -68,6 +73,28 @@ def test_xla_form_matches_dense_reference(block):
     return attention.causal_attention(q, k, v, impl="xla", block=block, mesh=None)
   assert ("scan" in str(jax.make_jaxpr(fn)(*inputs[:3]))) == (0 < block < 16)
   _assert_matches_reference(fn, inputs, f"xla attention (block {block})")
+
+
+@pytest.mark.parametrize("block", [0, 4])
+def test_xla_form_attends_within_chunks(block):
+  """Chunks of 6 positions in a sequence of 16 (the last one short), whole or in query blocks
+  that straddle chunks; the causal reference without chunks is far off."""
+  inputs = _inputs(block + 1, 2, 16, 2, 3, 8)
+
+  def fn(q, k, v):
+    return attention.causal_attention(q, k, v, impl="xla", block=block, mesh=None, chunk=6)
+  _assert_matches_reference(fn, inputs, f"chunked xla attention (block {block})", chunk=6)
+  assert not np.allclose(jax.jit(fn)(*inputs[:3]), reference_attention(*inputs[:3]), atol=1e-2)
+
+
+def test_splash_form_attends_within_chunks_in_interpret_mode():
+  """Chunks of 192 positions over 128-wide tiles: a chunk boundary crosses a tile."""
+  mesh = moe_hk.make_mesh(data=2, expert=4)
+
+  def fn(q, k, v):
+    return attention.splash_attention(q, k, v, mesh, chunk=192)
+  _assert_matches_reference(fn, _inputs(1, 8, 384, 2, 2, 32), "chunked splash attention",
+                            chunk=192)
 
 
 def test_splash_form_in_interpret_mode_matches_dense_reference():
@@ -166,9 +193,10 @@ def test_xla_block_must_divide_the_sequence():
     attention.causal_attention(q, k, v, impl="xla", block=5, mesh=None)
 
 
-@pytest.mark.parametrize("impl,message", [("splash", "needs the mesh"),
-                                          ("auto", "expected a resolved form")])
-def test_causal_attention_refuses_what_it_cannot_run(impl, message):
+@pytest.mark.parametrize("impl,chunk,message", [
+    ("splash", 0, "needs the mesh"), ("auto", 0, "expected a resolved form"),
+    ("cudnn", 64, r"attention_chunk_size=64: chunked attention runs in the 'xla' and 'splash'")])
+def test_causal_attention_refuses_what_it_cannot_run(impl, chunk, message):
   q, k, v, _ = _inputs(0, 1, 128, 1, 2, 4)
   with pytest.raises(ValueError, match=message):
-    attention.causal_attention(q, k, v, impl=impl, block=0, mesh=None)
+    attention.causal_attention(q, k, v, impl=impl, block=0, mesh=None, chunk=chunk)

@@ -165,6 +165,51 @@ def test_remat_policies_give_the_same_step_and_keep_fallback_events():
     assert_trees_close(grads, results["none"][1], what=policy)
 
 
+def test_llama4_layer_pattern_groups_its_blocks_and_labels_every_moe_layer():
+  """Maverick's pattern (every 2nd block MoE, every 4th without RoPE) in 8 layers: 2 groups of
+  4 blocks, MoE in the 2nd and 4th; the 4 MoE layers' stats in layer order, each fallback event
+  labelled with its layer; in step mode the flag crosses the blocks of a group, so every MoE
+  layer from the first that overflowed on runs dropless."""
+  mesh = moe_hk.make_mesh(data=1, fsdp=1, expert=8)
+  tokens = jax.random.randint(jax.random.key(0), (8, 32), 0, 256)
+  c = tiny_config(num_layers=8, moe_every=2, nope_every=4, attention_chunk_size=8,
+                  rope_layout="interleaved", qk_l2_norm=True, attn_temperature_tuning=True,
+                  floor_scale=4.0)
+  c.moe.moe_dropless_fallback = "step"
+  settings = settings_of(c)
+  assert model_lib.block_kinds(c) == [(False, True), (True, True), (False, True), (True, False)]
+  net = hk.transform(lambda t, s: model_lib.Transformer(c, settings.layer, mesh, name="model")(
+      t, s))
+  params = jax.jit(net.init)(jax.random.key(1), tokens, None)
+  group = "model/groups/model/~_group/"
+  assert {m for m in params if m.startswith(group) and m.endswith("/moe")} == {
+      group + "block_1/moe", group + "block_3/moe"}
+  assert params[group + "block_1/moe"]["wi_0"].shape[0] == 2  # the layer stack: 2 groups
+  received = []
+  moe_hk.events.add_sink(received.append)
+  try:
+    stats = jax.jit(lambda p: net.apply(p, None, tokens, jnp.int32(3)).moe_stats)(params)
+    jax.effects_barrier()
+  finally:
+    moe_hk.events.remove_sink(received.append)
+  assert stats.fallback.shape == (4,) == (settings.moe_layers,)
+  overflowed = np.asarray(stats.would_drop_rows) > 0
+  assert overflowed.any(), "the batch must overflow a layer"
+  first = int(np.argmax(overflowed))
+  np.testing.assert_array_equal(stats.fallback, np.arange(4) >= first)
+  fell_back = [e for e in received if e.name == moe_hk.events.FALLBACK_EVENT]
+  assert sorted(e.layer for e in fell_back) == list(range(first, 4))
+  for e in fell_back:
+    np.testing.assert_allclose(e.stats.required_factor, stats.required_factor[e.layer])
+
+
+def test_a_layer_pattern_that_does_not_fit_the_layers_is_refused():
+  c = tiny_config(num_layers=6, moe_every=2, nope_every=4)
+  with pytest.raises(settings_lib.UserError, match=r"config.num_layers=6 must be a multiple of "
+                     r"4, the period of the layer pattern \(moe_every=2, nope_every=4\)"):
+    settings_of(c)
+
+
 @pytest.mark.parametrize("name,tied", [("tiny", True), ("demo", True), ("default", True),
                                        ("tpu_chip", True), ("maverick", True),
                                        ("tpu_chip", False)])

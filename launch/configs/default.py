@@ -48,7 +48,31 @@ def _model(c: ml_collections.ConfigDict) -> None:
   c.attention_impl = "auto"
   c.attention_block = 0       # query block of the XLA form's scan; 0 = whole sequence
   c.loss_chunk = 0            # positions per logits chunk of the loss scan; 0 = whole sequence
+  _positions(c)
   _moe(c)
+
+
+def _positions(c: ml_collections.ConfigDict) -> None:
+  """How attention sees positions (launch.training.positions); the defaults are the plain
+  model above, the other values Llama 4's."""
+  # 'rotate_half' pairs dimension i with i + head_dim/2; 'interleaved' 2i with 2i + 1.
+  c.rope_layout = "rotate_half"
+  # type 'llama3': pairs whose wavelength exceeds original_max_positions / low_freq_factor
+  # turn `factor` times slower, those below original_max_positions / high_freq_factor keep
+  # their rate, those between blend the two; 'none': the plain rates.
+  c.rope_scaling = ml_collections.ConfigDict(dict(
+      type="none", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+      original_max_positions=8192))
+  c.qk_l2_norm = False        # a weightless RMSNorm of each query and key head after the rotation
+  # Every nope_every-th block (0: none) attends without rotary embeddings, over the whole
+  # prefix; the others within chunks of attention_chunk_size positions (0: the whole prefix).
+  c.nope_every = 0
+  c.attention_chunk_size = 0
+  # On those blocks, queries scaled by 1 + attn_scale x log(1 + floor((position + 1) /
+  # floor_scale)) when attn_temperature_tuning.
+  c.attn_temperature_tuning = False
+  c.floor_scale = 8192.0
+  c.attn_scale = 0.1
 
 
 def _moe(c: ml_collections.ConfigDict) -> None:

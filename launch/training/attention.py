@@ -12,6 +12,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental.pallas.ops.tpu import splash_attention as splash
 from jax.sharding import Mesh, PartitionSpec as P
 
@@ -53,30 +54,36 @@ def _valid_on(platform: str) -> tuple[str, ...]:
 
 
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, impl: str, block: int,
-                     mesh: Mesh | None) -> jax.Array:
+                     mesh: Mesh | None, chunk: int = 0) -> jax.Array:
   """`q [B, S, G, R, Dh]`, `k, v [B, S, G, Dh]` -> `[B, S, G, R, Dh]` with the resolved `impl`.
 
   `block` is the XLA form's query block (0: one block); `mesh` is where 'splash' runs its
-  shard_map (the batch sharded over every mesh axis). Each form ignores what it does not use.
+  shard_map (the batch sharded over every mesh axis); `chunk` > 0 lets a query attend only to
+  the keys of its own chunk of that many positions (chunks start at multiples of `chunk`:
+  Llama 4's chunked attention; 'xla' and 'splash'). Each form ignores what it does not use.
   """
   if impl == "xla":
-    return xla_attention(q, k, v, block)
+    return xla_attention(q, k, v, block, chunk)
   if impl == "splash":
     if mesh is None:
       raise ValueError("attention_impl='splash' runs in shard_map and needs the mesh (got None).")
-    return splash_attention(q, k, v, mesh)
+    return splash_attention(q, k, v, mesh, chunk)
   if impl == "cudnn":
+    if chunk:
+      raise ValueError(f"attention_chunk_size={chunk}: chunked attention runs in the 'xla' and "
+                       "'splash' forms, not 'cudnn'.")
     return cudnn_attention(q, k, v)
   raise ValueError(f"causal_attention(impl={impl!r}): expected a resolved form, one of "
                    f"{ATTENTION_IMPLS[1:]} (see resolve_impl).")
 
 
-def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array, block: int) -> jax.Array:
+def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array, block: int, chunk: int = 0
+                  ) -> jax.Array:
   """Pure-XLA form: `q [B, S, G, R, Dh]`, `k, v [B, S, G, Dh]` -> like q.
 
   `block` > 0 computes queries in blocks of that many positions in a checkpointed scan, so
   at most a `[B, G, R, block, S]` score block is live (forward and backward) instead of
-  `[B, G, R, S, S]`; `block` = 0 does one block of S.
+  `[B, G, R, S, S]`; `block` = 0 does one block of S. `chunk` > 0: within chunks only.
   """
   seq, head_dim = q.shape[1], q.shape[-1]
   block = block or seq
@@ -86,7 +93,10 @@ def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array, block: int) -> jax.A
   def one_block(q_blk, start):  # [B, block, G, R, Dh], scalar -> [B, block, G, R, Dh]
     scores = jnp.einsum("bsgrd,btgd->bgrst", q_blk, k, preferred_element_type=jnp.float32)
     query_pos = start + jnp.arange(q_blk.shape[1])
-    causal = query_pos[:, None] >= jnp.arange(seq)[None, :]
+    key_pos = jnp.arange(seq)
+    causal = query_pos[:, None] >= key_pos[None, :]
+    if chunk:
+      causal &= query_pos[:, None] // chunk == key_pos[None, :] // chunk
     probs = jax.nn.softmax(jnp.where(causal, scores / math.sqrt(head_dim), -1e30), axis=-1)
     return jnp.einsum("bgrst,btgd->bsgrd", probs.astype(v.dtype), v)
 
@@ -112,22 +122,34 @@ def splash_block_sizes(seq: int) -> splash.BlockSizes:
                            block_q_dq=block, block_kv_dq=block)
 
 
-def splash_kernel(seq: int, heads: int, interpret: bool) -> splash.SplashAttentionKernel:
+def splash_kernel(seq: int, heads: int, interpret: bool, chunk: int = 0
+                  ) -> splash.SplashAttentionKernel:
   """The causal MQA splash kernel for `heads` query heads of length `seq` (one key/value
-  head), in Pallas interpret mode when `interpret`.
+  head), within chunks of `chunk` positions when > 0, in Pallas interpret mode when
+  `interpret`.
 
   Built with every array it holds concrete: the kernel converts its block masks with
   `jnp.array`, which inside a transform (the layer group's remat, the scan over groups)
   stages them into that trace, and a kernel holding another trace's values fails the step
   with an UnexpectedTracerError (its custom_vjp, and ours, close over them).
   """
-  mask = splash.MultiHeadMask([splash.CausalMask((seq, seq))] * heads)
+  mask = splash.MultiHeadMask([_chunked_mask(seq, chunk) if chunk else
+                               splash.CausalMask((seq, seq))] * heads)
   with jax.ensure_compile_time_eval():
     return splash.make_splash_mqa_single_device(mask, block_sizes=splash_block_sizes(seq),
                                                 interpret=interpret)
 
 
-def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, mesh: Mesh) -> jax.Array:
+def _chunked_mask(seq: int, chunk: int) -> splash.NumpyMask:
+  """Causal within chunks of `chunk` positions, as a `[S, S]` boolean array (splash in this
+  jax has no chunked mask of its own; the kernel keeps only the blocks that hold a key)."""
+  position = np.arange(seq)
+  return splash.NumpyMask((position[:, None] >= position[None, :]) &
+                          (position[:, None] // chunk == position[None, :] // chunk))
+
+
+def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, mesh: Mesh, chunk: int = 0
+                     ) -> jax.Array:
   """Splash form: `q [B, S, G, R, Dh]`, `k, v [B, S, G, Dh]` -> like q, B sharded over `mesh`.
 
   Runs in shard_map because Mosaic kernels cannot be partitioned automatically (and so that
@@ -136,7 +158,8 @@ def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, mesh: Mesh) -> ja
   other devices than TPUs the kernel runs in Pallas interpret mode (the tests' CPU meshes).
   """
   seq, _, per_group, head_dim = q.shape[1:]
-  kernel = splash_kernel(seq, per_group, interpret=mesh.devices.flat[0].platform != "tpu")
+  kernel = splash_kernel(seq, per_group, interpret=mesh.devices.flat[0].platform != "tpu",
+                         chunk=chunk)
   # The kernel does not scale scores. Scaling q (in its dtype) touches [.., S, Dh], not the
   # [.., S, S] scores the XLA form scales in float32.
   q = q / math.sqrt(head_dim)

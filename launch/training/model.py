@@ -1,14 +1,18 @@
 """A decoder-only MoE transformer in Haiku (Llama4-style): RMSNorm, rotary attention, SwiGLU.
 
 Shapes: B batch, S sequence, D model width, H query heads, G key/value heads, Dh head dim,
-V vocabulary, n layer groups. Blocks come in groups of `moe_every`: `moe_every - 1` dense
-SwiGLU blocks, then one MoE block (`moe_hk.MoELayer`, plus an optional shared expert). The
-groups run in an `hk.layer_stack` (a scan: one compiled group however deep the model), each
-group rematerialised in the backward under `config.remat_policy` (`REMAT_POLICIES`).
-Parameters are float32; matmuls run in `config.dtype`. The knobs public checkpoints need
-(`launch.convert`) are config keys whose defaults are the model above: `tie_embeddings`
-(False: an untied `[V, D]` output projection and no `1/sqrt(D)` logit scale), `rope_theta`,
-`norm_eps` and `qk_norm` (an RMSNorm over each query and key head before the rotation).
+V vocabulary, n layer groups. Every `moe_every`-th block is an MoE block (`moe_hk.MoELayer`,
+plus an optional shared expert), the others dense SwiGLU blocks of width `mlp_dim`; every
+`nope_every`-th block (0: none) attends without rotary embeddings, over the whole prefix (Llama
+4's NoPE layers), the others within chunks of `attention_chunk_size` (0: the whole prefix).
+A layer group holds one period of that pattern (`layer_period`), and the groups run in an
+`hk.layer_stack` (a scan: one compiled group however deep the model), each group
+rematerialised in the backward under `config.remat_policy` (`REMAT_POLICIES`). Parameters are
+float32; matmuls run in `config.dtype`. The knobs public checkpoints need (`launch.convert`)
+are config keys whose defaults are the model above: `tie_embeddings` (False: an untied
+`[V, D]` output projection), `rope_theta`, `rope_layout`, `rope_scaling`, `norm_eps`, `qk_norm`
+(an RMSNorm over each query and key head before the rotation), `qk_l2_norm` (a weightless one
+after it), `attn_temperature_tuning` (`floor_scale`, `attn_scale`).
 """
 from __future__ import annotations
 
@@ -24,7 +28,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh
 
 import moe_hk
-from launch.training import attention as attention_lib
+from launch.training import attention as attention_lib, positions
 from moe_hk import step_mode
 
 
@@ -71,21 +75,24 @@ def rms_norm(x: jax.Array, name: str, eps: float = 1e-6) -> jax.Array:
   return (normed * scale).astype(x.dtype)
 
 
-def rotary(x: jax.Array, base: float = 10_000.0) -> jax.Array:
-  """Rotary position embedding of `x [B, S, ..., Dh]` (positions 0..S-1), in the rotate-half
-  layout: dimension i pairs with i + Dh/2 (not with its neighbour, the interleaved layout)."""
-  seq, dim = x.shape[1], x.shape[-1]
-  freqs = base ** (-jnp.arange(0, dim, 2, dtype=jnp.float32) / dim)       # [Dh / 2]
-  angles = jnp.arange(seq, dtype=jnp.float32)[:, None] * freqs[None]      # [S, Dh / 2]
-  angles = angles.reshape(1, seq, *([1] * (x.ndim - 3)), dim // 2)
-  sin, cos = jnp.sin(angles), jnp.cos(angles)
-  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x.dtype)
+def weightless_rms_norm(x: jax.Array, eps: float) -> jax.Array:
+  """RMSNorm over the last axis without a scale (Llama 4's query/key norm), in float32."""
+  x32 = x.astype(jnp.float32)
+  return (x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), -1, keepdims=True) + eps)).astype(x.dtype)
 
 
-def attention(x: jax.Array, c: ml_collections.ConfigDict, mesh: Mesh) -> jax.Array:
-  """Causal grouped-query attention with rotary embeddings: `[B, S, D] -> [B, S, D]`, in the
-  form `config.attention_impl` names for the mesh's platform (`launch.training.attention`)."""
+def attention(x: jax.Array, c: ml_collections.ConfigDict, mesh: Mesh, rope: bool = True
+              ) -> jax.Array:
+  """Causal grouped-query attention: `[B, S, D] -> [B, S, D]`, in the form
+  `config.attention_impl` names for the mesh's platform (`launch.training.attention`).
+
+  With `rope` (every layer but the `nope_every`-th): rotary embeddings (`rope_layout`,
+  `rope_scaling`), then `qk_l2_norm`'s weightless norm of each query and key head, and
+  attention within chunks of `attention_chunk_size` positions (0: the whole prefix). Without
+  (Llama 4's NoPE layers): no rotation, attention over the whole prefix, and with
+  `attn_temperature_tuning` the queries scaled by `positions.temperature`. `qk_norm`
+  (Qwen3's weighted norm before the rotation) applies to every layer.
+  """
   b, s, _ = x.shape
   groups, per_group = c.num_kv_heads, c.num_heads // c.num_kv_heads
   q = dense(x, c.num_heads * c.head_dim, "q").reshape(b, s, groups, per_group, c.head_dim)
@@ -93,10 +100,30 @@ def attention(x: jax.Array, c: ml_collections.ConfigDict, mesh: Mesh) -> jax.Arr
   v = dense(x, groups * c.head_dim, "v").reshape(b, s, groups, c.head_dim)
   if c.qk_norm:
     q, k = rms_norm(q, "q_norm", c.norm_eps), rms_norm(k, "k_norm", c.norm_eps)
+  if rope:
+    rates = positions.frequencies(c.head_dim, c.rope_theta, c.rope_scaling)
+    q, k = (positions.rotary(t, rates, c.rope_layout) for t in (q, k))
+    if c.qk_l2_norm:
+      q, k = weightless_rms_norm(q, c.norm_eps), weightless_rms_norm(k, c.norm_eps)
+  elif c.attn_temperature_tuning:
+    scale = positions.temperature(s, c.floor_scale, c.attn_scale)
+    q = (q * scale[None, :, None, None, None]).astype(q.dtype)
   impl = attention_lib.resolve_impl(c.attention_impl, mesh.devices.flat[0].platform)
-  out = attention_lib.causal_attention(rotary(q, c.rope_theta), rotary(k, c.rope_theta), v,
-                                       impl=impl, block=c.attention_block, mesh=mesh)
+  out = attention_lib.causal_attention(q, k, v, impl=impl, block=c.attention_block, mesh=mesh,
+                                       chunk=c.attention_chunk_size if rope else 0)
   return checkpoint_name(dense(out.reshape(b, s, -1), x.shape[-1], "o"), "attention_out")
+
+
+def layer_period(c: ml_collections.ConfigDict) -> int:
+  """Blocks in one layer group: the pattern of MoE blocks (every `moe_every`-th) and blocks
+  without rotary embeddings (every `nope_every`-th, 0: none) repeats every this many."""
+  return math.lcm(c.moe_every, c.nope_every or 1)
+
+
+def block_kinds(c: ml_collections.ConfigDict) -> list[tuple[bool, bool]]:
+  """`(moe, rope)` of each block of a layer group, in order."""
+  return [((i + 1) % c.moe_every == 0, not c.nope_every or (i + 1) % c.nope_every != 0)
+          for i in range(layer_period(c))]
 
 
 def swiglu(x: jax.Array, hidden: int) -> jax.Array:
@@ -125,20 +152,27 @@ class Transformer(hk.Module):
     self.emit_fallback_events = layer.emit_fallback_events
     self.moe_config = dataclasses.replace(layer, emit_fallback_events=False)
 
-  def _group(self, x: jax.Array, after_overflow: jax.Array | None, moe_index: jax.Array,
-             step: jax.Array | None) -> tuple[jax.Array, moe_hk.MoEStats]:
-    """`moe_every - 1` dense blocks and one MoE block: `[B, S, D]` -> same, and its stats.
-    `after_overflow`: the 'step'-mode flag (None in the other modes)."""
+  def _group(self, x: jax.Array, after_overflow: jax.Array | None, group: jax.Array,
+             step: jax.Array | None
+             ) -> tuple[jax.Array, jax.Array | None, moe_hk.MoEStats]:
+    """One layer group's blocks (`block_kinds`): `[B, S, D]` -> same, the 'step'-mode flag
+    after them (`after_overflow`; None in the other modes) and its MoE blocks' stats, stacked
+    `[m, ...]`."""
     c = self.config
-    stats = None
-    for i in range(c.moe_every):
+    kinds = block_kinds(c)
+    per_group = sum(moe for moe, _ in kinds)
+    stats = []
+    for i, (moe, rope) in enumerate(kinds):
       with hk.name_scope(f"block_{i}"):
-        x = x + attention(rms_norm(x, "attention_norm", c.norm_eps), c, self.mesh)
+        x = x + attention(rms_norm(x, "attention_norm", c.norm_eps), c, self.mesh, rope)
         h = rms_norm(x, "mlp_norm", c.norm_eps)
-        if i == c.moe_every - 1:
+        if moe:
           layer = moe_hk.MoELayer(self.moe_config, self.mesh, name="moe")
-          y, stats = layer(h, step=step, layer_index=moe_index, return_stats=True,
-                           after_overflow=after_overflow)
+          y, layer_stats = layer(h, step=step, layer_index=group * per_group + len(stats),
+                                 return_stats=True, after_overflow=after_overflow)
+          stats.append(layer_stats)
+          if after_overflow is not None:
+            after_overflow = step_mode.overflowed(after_overflow, layer_stats)
           y = checkpoint_name(y, "moe_out")
           if c.shared_expert:
             with hk.name_scope("shared_expert"):
@@ -147,7 +181,7 @@ class Transformer(hk.Module):
           with hk.name_scope("mlp"):
             y = swiglu(h, c.mlp_dim)
         x = x + y.astype(x.dtype)
-    return x, stats
+    return x, after_overflow, jax.tree.map(lambda *s: jnp.stack(s), *stats)
 
   def __call__(self, tokens: jax.Array, step: jax.Array | None = None) -> ModelOutput:
     c = self.config
@@ -158,15 +192,17 @@ class Transformer(hk.Module):
       # Named, so that 'full_inputs_on_host' keeps this (the group's recompute starts here)
       # in the host's memory rather than the scan's stacked inputs on the device.
       x_ = checkpoint_name(x_, "group_input")
-      x_, stats = self._group(x_, after, index, step)
-      return (x_, None if after is None else step_mode.overflowed(after, stats)), stats
+      x_, after, stats = self._group(x_, after, index, step)
+      return (x_, after), stats
     policy = REMAT_POLICIES[c.remat_policy]
     if policy is not None:
       group = hk.remat(group, policy=policy)
-    num_groups = c.num_layers // c.moe_every
+    num_groups = c.num_layers // layer_period(c)
     after = jnp.zeros((), bool) if self.moe_config.moe_dropless_fallback == "step" else None
     (x, _), stats = hk.layer_stack(num_groups, with_per_layer_inputs=True, name="groups")(
         group)((x, after), jnp.arange(num_groups, dtype=jnp.int32))
+    # [groups, m, ...] -> [MoE blocks, ...], in the order of the layers.
+    stats = jax.tree.map(lambda s: s.reshape(-1, *s.shape[2:]), stats)
     if step is not None and self.emit_fallback_events:
       moe_hk.events.emit_stacked_fallback_events(stats, step=jnp.asarray(step, jnp.int32),
                                                  process=jax.process_index())

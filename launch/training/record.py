@@ -24,7 +24,8 @@ from launch.errors import UserError
 # shapes (the model's and its MoE layers'), the optimizer moments' stored dtype, the kind of
 # data iterator state. The mesh is not among them: parameters have one global shape, which
 # orbax reshards to any mesh.
-STORED = ("vocab_size", "emb_dim", "num_layers", "moe_every", "num_heads", "num_kv_heads",
+STORED = ("vocab_size", "emb_dim", "num_layers", "moe_every", "nope_every", "num_heads",
+          "num_kv_heads",
           "head_dim", "mlp_dim", "shared_expert", "moe.num_experts", "moe.mlp_dim",
           "optimizer_state_dtype", "data.source")
 HISTORY = "configs"  # WORKDIR/configs/<step>.json: the config of the start at that step
@@ -53,7 +54,7 @@ def _recorded(workdir: str) -> dict | None:
   if not os.path.isfile(path):
     return None
   with open(path) as f:
-    return json.load(f)
+    return settings_lib.with_defaults(json.load(f))
 
 
 def _show(value: Any) -> str:
