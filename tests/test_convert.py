@@ -1,9 +1,9 @@
 """Public checkpoints in and out (`launch.convert`, `launch.score`), against transformers.
 
 The fixtures (tests/fixtures/hf, made by its make_fixtures.py with transformers and torch,
-which the suite does not need) are tiny random `MixtralForCausalLM` and `Qwen3MoeForCausalLM`
-checkpoints as `save_pretrained` wrote them, with the float32 logits transformers computed for
-fixed ids. Each family is imported once (module fixture); its logits, export and fine-tune
+which the suite does not need) are tiny random `MixtralForCausalLM`, `Qwen3MoeForCausalLM`,
+`Llama4ForCausalLM` (two layer patterns) and `Llama4ForConditionalGeneration` checkpoints as
+`save_pretrained` wrote them, with the float32 logits transformers computed for fixed ids. Each family is imported once (module fixture); its logits, export and fine-tune
 reuse that run and one compiled forward per configuration.
 """
 import json
@@ -30,6 +30,10 @@ from tests.helpers import ROOT, cached_make_steps, run_module, settings_of, tiny
 
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "hf")
 FAMILIES = ("mixtral", "qwen3_moe")
+# Llama 4: Maverick's layer pattern, Scout's (its config in the transformers-4 style) and the
+# multimodal checkpoint's language model.
+LLAMA4 = ("llama4_text", "llama4_text_v4", "llama4")
+MULTIMODAL_PREFIX = "language_model."
 # The fine-tune tests' steps, compiled once: the direct steps and launch.train's share them.
 _STEPS = cached_make_steps(steps_lib.make_steps)
 
@@ -49,7 +53,17 @@ def _tensors(folder: str) -> dict[str, np.ndarray]:
     return {name: source.slice(name)[:] for name in source.files}
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
+def _text_tensors(family: str) -> dict[str, np.ndarray]:
+  """The fixture's language-model tensors, as a text checkpoint names them (the multimodal
+  one's without their prefix, its vision tower left out)."""
+  tensors = _tensors(os.path.join(FIXTURES, family))
+  if family != "llama4":
+    return tensors
+  return {n[len(MULTIMODAL_PREFIX):]: a for n, a in tensors.items()
+          if n.startswith(MULTIMODAL_PREFIX)}
+
+
+@pytest.fixture(scope="module", params=FAMILIES + LLAMA4)
 def imported(request, tmp_path_factory):
   """(family, workdir, settings) of the family's fixture imported with the tiny config: a
   capped buffer (factor 1) that the skewed routers overflow, the fallback on."""
@@ -80,18 +94,24 @@ def test_logits_equal_transformers_with_the_fallback(imported):
   assert _relative(_logits(dropping, params, ids)[0], want) > 1e-2
 
 
+@pytest.mark.parametrize("imported", FAMILIES + ("llama4_text_v4", "llama4"), indirect=True)
 def test_export_writes_the_fixture_and_imports_back_exactly(imported, tmp_path):
-  """--to_hf writes the fixture's tensor names, shapes and values (and a config transformers
-  4 and 5 read alike); importing that folder gives back every parameter bit for bit."""
+  """--to_hf writes the fixture's tensor names, shapes and values (Llama 4's experts fused
+  again; a multimodal checkpoint's language model as a text checkpoint) and a config
+  transformers 4 and 5 read alike; importing that folder gives back every parameter bit for
+  bit."""
   family, workdir, run_settings = imported
   exporting.export_run(workdir, str(tmp_path / "out"), None, 1 << 30)
-  want, got = _tensors(os.path.join(FIXTURES, family)), _tensors(str(tmp_path / "out"))
+  want, got = _text_tensors(family), _tensors(str(tmp_path / "out"))
   assert sorted(got) == sorted(want)
   for name, array in want.items():
     np.testing.assert_array_equal(got[name], array, err_msg=name)
   assert os.path.isfile(tmp_path / "out" / "tokenizer.json")  # kept by the run, exported
   exported = json.load(open(tmp_path / "out" / "config.json"))
   assert exported["rope_theta"] == exported["rope_parameters"]["rope_theta"] == 500_000.0
+  rope_type = exported["rope_parameters"]["rope_type"]
+  assert rope_type == ("llama3" if family == "llama4_text_v4" else "default")
+  assert (exported["rope_scaling"] or {}).get("rope_type", "default") == rope_type
   again = str(tmp_path / "again")
   importing.import_checkpoint(str(tmp_path / "out"), again, run_settings.config)
   first = restoring.restore_params(run_settings, workdir)[1]
@@ -99,6 +119,7 @@ def test_export_writes_the_fixture_and_imports_back_exactly(imported, tmp_path):
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(first), jax.device_get(second))
 
 
+@pytest.mark.parametrize("imported", FAMILIES, indirect=True)
 def test_export_shards_and_keeps_the_dtype(imported, tmp_path):
   """Past the size limit the weights split into files with an index; a bfloat16 checkpoint
   (that one) imports through its index and exports bfloat16 again."""
@@ -106,7 +127,8 @@ def test_export_shards_and_keeps_the_dtype(imported, tmp_path):
   _, params = restoring.restore_params(run_settings, workdir)
   hf = json.load(open(os.path.join(FIXTURES, family, "config.json")))
   files = writing.write(str(tmp_path / "bf16"), writing.hf_tensors(
-      params, hf_config.family_of(hf).tensors(), "bfloat16"), max_bytes=64 << 10)
+      params, hf_config.family_of(hf).tensors(hf_config.model_keys(hf)), "bfloat16"),
+      max_bytes=64 << 10)
   assert len(files) > 2 and os.path.isfile(tmp_path / "bf16" / "model.safetensors.index.json")
   shutil.copy(os.path.join(FIXTURES, family, "config.json"), tmp_path / "bf16")
   importing.import_checkpoint(str(tmp_path / "bf16"), str(tmp_path / "run"), run_settings.config)
@@ -119,9 +141,10 @@ def test_export_shards_and_keeps_the_dtype(imported, tmp_path):
     np.testing.assert_array_equal(got[name], array.astype(got[name].dtype), err_msg=name)
 
 
-# The train-step tests run one family: a train step's compile is their cost, and the logits
-# tests cover both families' forward.
-ONE_FAMILY = pytest.mark.parametrize("imported", ["qwen3_moe"], indirect=True)
+# The train-step tests run Qwen3-MoE and Llama 4 (Maverick's pattern: dense and MoE layers,
+# NoPE): a train step's compile is their cost, and the logits tests cover every family's
+# forward.
+ONE_FAMILY = pytest.mark.parametrize("imported", ["qwen3_moe", "llama4_text"], indirect=True)
 
 
 @ONE_FAMILY
@@ -161,6 +184,7 @@ def test_launch_train_continues_the_import(imported, tmp_path, monkeypatch, caps
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("imported", FAMILIES, indirect=True)
 def test_score_command(imported, tmp_path):
   """`launch.score` as users run it: Mixtral's --input_ids logits are transformers' (1e-4);
   Qwen3-MoE's --text goes through the run's tokenizer.json, a loss per next token and their
@@ -200,6 +224,26 @@ def test_refuses_what_the_model_does_not_implement(field, value, named):
   with pytest.raises(UserError, match="config.json " + named.replace("[", r"\[")) as error:
     hf_config.model_keys(hf)
   assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("field, value, named", [
+    ("moe_layers", [0, 3], "moe_layers=[0, 3]: implemented: every k-th layer MoE"),
+    ("no_rope_layers", [1, 0, 1, 1], "no_rope_layers=[1, 0, 1, 1]: implemented: every n-th"),
+    ("rope_parameters", {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0},
+     "rope_scaling=.*implemented: none or llama3"),
+    ("tie_word_embeddings", True, "tie_word_embeddings=true"),
+    ("attn_logit_softcapping", 50.0, "attn_logit_softcapping=50.0"),
+])
+def test_refuses_a_llama4_the_model_does_not_implement(field, value, named):
+  """Llama 4's own layouts beyond the model: a layer pattern not every k-th / n-th, another
+  RoPE scaling; in one line, in the text config and inside a multimodal one alike."""
+  text = json.load(open(os.path.join(FIXTURES, "llama4_text", "config.json")))
+  multimodal = json.load(open(os.path.join(FIXTURES, "llama4", "config.json")))
+  for hf in (dict(text, **{field: value}),
+             dict(multimodal, text_config=dict(multimodal["text_config"], **{field: value}))):
+    with pytest.raises(UserError, match="config.json " + named.replace("[", r"\[")) as error:
+      hf_config.model_keys(hf)
+    assert "\n" not in str(error.value)
 
 
 def test_convert_refuses_in_one_line(tmp_path):

@@ -1,8 +1,9 @@
 """`launch.convert --to_hf`: a run imported by `--from_hf` as a Hugging Face checkpoint.
 
-The folder gets `config.json` (the imported one, the RoPE base at the top level and in
-`rope_parameters`), the weights in the family's published layout and the dtype the import
-read, and the tokenizer files the run keeps.
+The folder gets `config.json` (the imported one, the RoPE base and scaling at the top level and
+in `rope_parameters`; a multimodal Llama 4's language model as `llama4_text`), the weights in
+the family's published layout and the dtype the import read, and the tokenizer files the run
+keeps.
 """
 from __future__ import annotations
 
@@ -32,18 +33,17 @@ def export_run(workdir: str, folder: str, step: int | None, max_bytes: int) -> s
   """Writes checkpoint `step` (None: the newest) of the run in `workdir` to `folder`;
   returns a line saying what was written."""
   source = source_of(workdir)
-  hf = source["config"]
-  family = hf_config.family_of(hf)
+  hf, family = hf_config.exported(source["config"], source["dtype"])
   settings = settings_lib.build(settings_lib.saved(workdir), jax.device_count())
   step, params = restoring.restore_params(settings, workdir, step)
-  named = writing.hf_tensors(params, family.tensors(), source["dtype"])
+  named = writing.hf_tensors(params, family.tensors(hf_config.model_keys(hf)), source["dtype"])
   if jax.process_index() != 0:
     for _ in named:  # every process takes part in each leaf's gather
       pass
     return ""
   files = writing.write(folder, named, max_bytes)
   with open(os.path.join(folder, "config.json"), "w") as f:
-    json.dump(hf_config.exported(hf, source["dtype"]), f, indent=2)
+    json.dump(hf, f, indent=2)
   for name in importing.TOKENIZER_FILES:
     if os.path.isfile(os.path.join(workdir, name)):
       shutil.copy(os.path.join(workdir, name), os.path.join(folder, name))

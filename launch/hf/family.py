@@ -22,10 +22,21 @@ class Tensor(NamedTuple):
   hf: str           # the name, with {layer} and {expert} where the leaf stacks them
   transpose: bool   # the leaf's trailing two axes are the Hugging Face tensor's swapped
   stacked: int      # leading axes the leaf stacks: 0, 1 (layers) or 2 (layers, experts)
+  # The leaf's layer i (of the layer stack) is the Hugging Face layer i x period + offset:
+  # a layer group of `period` blocks, this leaf in block `offset`.
+  period: int = 1
+  offset: int = 0
+  # (start, stop, width): the leaf is columns start .. stop - 1 of the Hugging Face tensor's
+  # last axis, `width` wide (two leaves fused in one tensor: Llama 4's gate_up_proj); None:
+  # all of it.
+  columns: tuple[int, int, int] | None = None
 
   def hf_name(self, ids: tuple[int, ...]) -> str:
     """The Hugging Face name of the tensor at leading index `ids` (layer, expert)."""
-    return self.hf.format(**dict(zip(("layer", "expert"), ids)))
+    named = dict(zip(("layer", "expert"), ids))
+    if "layer" in named:
+      named["layer"] = named["layer"] * self.period + self.offset
+    return self.hf.format(**named)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,8 +51,9 @@ class Family:
   expert_width_field: str               # config.json's expert hidden width
   qk_norm: bool                         # per-head query/key RMSNorms (self_attn.q_norm, k_norm)
 
-  def tensors(self) -> list[Tensor]:
-    """Every leaf of the model's parameters and its Hugging Face name."""
+  def tensors(self, keys: dict | None = None) -> list[Tensor]:
+    """Every leaf of the model's parameters and its Hugging Face name (`keys`, the model's
+    config keys, matter to families whose layers differ: `launch.hf.llama4`)."""
     layer, moe = "model.layers.{layer}.", f"model.layers.{{layer}}.{self.moe}."
     expert = moe + "experts.{expert}."
     out = [Tensor("model/embed", "embeddings", "model.embed_tokens.weight", False, 0),

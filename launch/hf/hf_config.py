@@ -14,10 +14,11 @@ import os
 from typing import Any
 
 from launch.errors import UserError
-from launch.hf import mixtral, qwen3_moe
+from launch.hf import llama4, llama4_config, mixtral, qwen3_moe
 from launch.hf.family import Family
 
-FAMILIES = {f.model_type: f for f in (mixtral.FAMILY, qwen3_moe.FAMILY)}
+FAMILIES = {f.model_type: f for f in (mixtral.FAMILY, qwen3_moe.FAMILY, llama4.TEXT,
+                                      llama4.MULTIMODAL)}
 # Fields that do not change what the model computes (token ids, training-only settings,
 # bookkeeping), or that `model_keys` reads and checks itself.
 _KNOWN = {
@@ -97,9 +98,22 @@ def _check(hf: dict[str, Any]) -> None:
     _refuse("layer_types", hf["layer_types"], "implemented: \"full_attention\" only")
 
 
+def text_config(hf: dict[str, Any]) -> dict[str, Any]:
+  """The language model's config: `hf`, or a multimodal checkpoint's `text_config` (its other
+  fields checked known: the vision tower is not converted)."""
+  if family_of(hf) is not llama4.MULTIMODAL:
+    return hf
+  for field, value in hf.items():
+    if field not in llama4_config.MULTIMODAL_KNOWN:
+      _refuse(field, value, "a field launch.convert does not know (it may change the model)")
+  return hf["text_config"]
+
+
 def model_keys(hf: dict[str, Any]) -> dict[str, Any]:
   """The launcher's config keys (dotted) for a checkpoint of config `hf`."""
   family = family_of(hf)
+  if isinstance(family, llama4.Llama4Family):
+    return llama4_config.model_keys(text_config(hf), _refuse)
   _check(hf)
   for field in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                 "intermediate_size", "num_experts_per_tok", "rms_norm_eps",
@@ -124,6 +138,15 @@ def model_keys(hf: dict[str, Any]) -> dict[str, Any]:
 
 def semantics(keys: dict[str, Any], family: Family) -> str:
   """What the converted model computes, in one line per topic, for the console."""
+  if isinstance(family, llama4.Llama4Family):
+    return "\n".join([
+        f"family {family.model_type} ({family.architecture}): {keys['num_layers']} layers; "
+        f"width {keys['emb_dim']}, {keys['num_heads']} query / {keys['num_kv_heads']} "
+        f"key-value heads of {keys['head_dim']}" + (
+            "; the vision tower is not converted" if family is llama4.MULTIMODAL else ""),
+        *llama4_config.semantics(keys),
+        f"RMSNorm epsilon {keys['norm_eps']:g}; output projection untied (lm_head)",
+        f"experts {keys['moe.num_experts']}, expert width {keys['moe.mlp_dim']}"])
   return "\n".join([
       f"family {family.model_type} ({family.architecture}): {keys['num_layers']} layers, "
       f"every one MoE; width {keys['emb_dim']}, {keys['num_heads']} query / "
@@ -137,11 +160,21 @@ def semantics(keys: dict[str, Any], family: Family) -> str:
       f"expert width {keys['moe.mlp_dim']}"])
 
 
-def exported(hf: dict[str, Any], dtype: str) -> dict[str, Any]:
-  """The config.json of an export: the imported one with `dtype` and the RoPE base both at the
-  top level (transformers 4) and in `rope_parameters` (transformers 5)."""
+def exported(hf: dict[str, Any], dtype: str) -> tuple[dict[str, Any], Family]:
+  """The config.json of an export and its family: the imported one (a multimodal Llama 4's
+  language model as `llama4_text`: the vision tower was not imported) with `dtype`, and the
+  RoPE base and scaling both at the top level (`rope_theta`, `rope_scaling`: transformers 4)
+  and in `rope_parameters` (transformers 5)."""
+  family = family_of(hf)
+  if family is llama4.MULTIMODAL:
+    hf = dict(text_config(hf), model_type=llama4.TEXT.model_type,
+              architectures=[llama4.TEXT.architecture])
+    family = llama4.TEXT
   theta = _one(hf, "rope_theta", ("rope_parameters", "rope_theta"), ("rope_theta",))
-  out = dict(hf, dtype=dtype, torch_dtype=dtype, rope_theta=theta)
-  out["rope_parameters"] = dict(hf.get("rope_parameters") or {}, rope_type="default",
-                                rope_theta=theta)
-  return out
+  rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+  rope["rope_type"] = rope.pop("type", rope.get("rope_type", "default"))
+  rope["rope_theta"] = theta
+  scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+  out = dict(hf, dtype=dtype, torch_dtype=dtype, rope_theta=theta, rope_parameters=rope,
+             rope_scaling=None if scaling["rope_type"] == "default" else scaling)
+  return out, family

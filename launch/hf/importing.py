@@ -41,9 +41,10 @@ def configured(config: ml_collections.ConfigDict, keys: dict) -> ml_collections.
   return config
 
 
-def _params(source: reading.SafetensorsFolder, family: Family, abstract) -> dict:
-  """Every parameter leaf of `abstract` (shapes and shardings) read from `source`."""
-  tensors = {(t.module, t.name): t for t in family.tensors()}
+def _params(source: reading.SafetensorsFolder, family: Family, keys: dict, abstract) -> dict:
+  """Every parameter leaf of `abstract` (shapes and shardings) of the model of `keys`, read
+  from `source`."""
+  tensors = {(t.module, t.name): t for t in family.tensors(keys)}
   leaves = {(m, n) for m, names in abstract.items() for n in names}
   assert leaves == set(tensors), f"family {family.model_type}: {leaves ^ set(tensors)}"
   return {module: {name: reading.read_leaf(source, tensors[module, name], leaf.shape,
@@ -97,8 +98,8 @@ def import_checkpoint(folder: str, workdir: str, config: ml_collections.ConfigDi
   abstract = steps_lib.abstract_inputs(settings.config, steps)[0]
   os.makedirs(workdir, exist_ok=True)
   with reading.SafetensorsFolder(folder) as source:
-    dtype = source.dtype("model.embed_tokens.weight")
-    state = _state(settings, steps, _params(source, family, abstract.params))
+    dtype = source.dtype(family.tensors(keys)[0].hf)
+    state = _state(settings, steps, _params(source, family, keys, abstract.params))
   _save(settings, workdir, state)
   if jax.process_index() == 0:
     _record(folder, workdir, settings.config, hf, dtype)

@@ -62,6 +62,8 @@ def _check_shape(tensor: Tensor, name: str, got: list[int], leaf: tuple[int, ...
   """UserError when the file's tensor is not the shape the leaf needs."""
   want = list(leaf[tensor.stacked:])
   want = want[::-1] if tensor.transpose else want
+  if tensor.columns is not None:
+    want[-1] = tensor.columns[2]
   if got != want:
     raise UserError(f"tensor {name} is {got}, the model from config.json needs {want}.")
 
@@ -72,6 +74,10 @@ def read_block(source: SafetensorsFolder, tensor: Tensor, shape: tuple[int, ...]
   lead = [range(*s.indices(n)) for s, n in zip(index[:tensor.stacked], shape)]
   inner = tuple(index[tensor.stacked:])
   inner = inner[::-1] if tensor.transpose else inner
+  if tensor.columns is not None:  # the leaf's columns are a range of the tensor's
+    start, stop, _ = tensor.columns
+    wanted = range(*inner[-1].indices(stop - start))
+    inner = (*inner[:-1], slice(start + wanted.start, start + wanted.stop))
   blocks = []
   for ids in np.ndindex(*(len(r) for r in lead)):
     name = tensor.hf_name(tuple(r[i] for r, i in zip(lead, ids)))

@@ -17,20 +17,30 @@ from launch.hf.family import Tensor
 _METADATA = {"format": "pt"}  # what transformers expects of a safetensors file it loads
 
 
+def _fused(tensors: list[Tensor]) -> list[list[Tensor]]:
+  """`tensors` grouped by the Hugging Face tensor they fill, in order: one each, or the
+  leaves whose columns make one tensor (in column order)."""
+  groups: dict[tuple, list[Tensor]] = {}
+  for tensor in tensors:
+    groups.setdefault((tensor.hf, tensor.period, tensor.offset), []).append(tensor)
+  return [sorted(g, key=lambda t: t.columns[0] if t.columns else 0) for g in groups.values()]
+
+
 def hf_tensors(params: Any, tensors: list[Tensor], dtype: str
                ) -> Iterator[tuple[str, np.ndarray]]:
-  """(name, array in `dtype`) of every Hugging Face tensor in `params`, one layer of one leaf
-  on the host at a time (every process takes part in each gather)."""
+  """(name, array in `dtype`) of every Hugging Face tensor in `params`, one layer of one
+  tensor's leaves on the host at a time (every process takes part in each gather)."""
   cast = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype)
-  for tensor in tensors:
-    leaf = params[tensor.module][tensor.name]
-    for layer in range(leaf.shape[0]) if tensor.stacked else [None]:
-      part = np.asarray(multihost_utils.process_allgather(
-          leaf if layer is None else leaf[layer], tiled=True))
-      for ids in np.ndindex(*part.shape[:max(tensor.stacked - 1, 0)]):
-        block = part[ids]
-        name = tensor.hf_name(ids if layer is None else (layer, *ids))
-        yield name, np.ascontiguousarray((block.T if tensor.transpose else block).astype(cast))
+  for group in _fused(tensors):
+    first = group[0]
+    leaves = [params[t.module][t.name] for t in group]
+    for layer in range(leaves[0].shape[0]) if first.stacked else [None]:
+      parts = [np.asarray(multihost_utils.process_allgather(
+          leaf if layer is None else leaf[layer], tiled=True)) for leaf in leaves]
+      for ids in np.ndindex(*parts[0].shape[:max(first.stacked - 1, 0)]):
+        block = np.concatenate([part[ids] for part in parts], axis=-1)
+        name = first.hf_name(ids if layer is None else (layer, *ids))
+        yield name, np.ascontiguousarray((block.T if first.transpose else block).astype(cast))
 
 
 def _shards(named: Iterator[tuple[str, np.ndarray]], max_bytes: int
