@@ -8,7 +8,9 @@ evaluation of a trained one.
 `[B, S, V]` to `--output`. `--text` encodes the text with the run's `tokenizer.json` (kept by
 `launch.convert --from_hf`; bytes when the run has none) and prints each next token's loss
 (nats) and the perplexity. The model runs as the run's config says (its buffer factor and
-fallback); the line printed says in how many MoE layers the dropless fallback ran.
+fallback); the line printed says in how many MoE layers the dropless fallback ran. A text too
+short for the fallback's chunks on the run's expert shards runs the worst-case buffer instead
+(nothing is dropped either way), and the line says so.
 """
 import os
 
@@ -61,10 +63,13 @@ def main(argv):
   ids, pieces = _tokens(_WORKDIR.value, config.vocab_size)
   step, params = restoring.restore_params(settings, _WORKDIR.value, _STEP.value)
   mesh = moe_hk.make_mesh(**settings.mesh)
-  logits, stats = scoring.forward(settings, mesh)(params, scoring.padded(ids, mesh.size))
+  tokens = scoring.padded(ids, mesh.size)
+  settings, note = scoring.fitted(settings, tokens.shape, mesh.size)
+  logits, stats = scoring.forward(settings, mesh)(params, tokens)
   logits = np.asarray(logits)[:ids.shape[0]]
   print(f"step {step}: logits {list(logits.shape)}; the dropless fallback ran in "
-        f"{int(np.sum(stats.fallback))} of {settings.moe_layers} MoE layers")
+        f"{int(np.sum(stats.fallback))} of {settings.moe_layers} MoE layers" +
+        (f"; {note}" if note else ""))
   if _TEXT.value is None:
     np.save(_OUTPUT.value, logits.astype(np.float32))
     return

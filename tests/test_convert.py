@@ -184,11 +184,12 @@ def test_launch_train_continues_the_import(imported, tmp_path, monkeypatch, caps
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("imported", FAMILIES, indirect=True)
+@pytest.mark.parametrize("imported", FAMILIES + ("llama4_text_v4",), indirect=True)
 def test_score_command(imported, tmp_path):
   """`launch.score` as users run it: Mixtral's --input_ids logits are transformers' (1e-4);
-  Qwen3-MoE's --text goes through the run's tokenizer.json, a loss per next token and their
-  mean and perplexity."""
+  Qwen3-MoE's and Llama 4's --text goes through the run's tokenizer.json, a loss per next token
+  and their mean and perplexity. Llama 4's top-1 over 8 expert shards has no fallback chunk
+  that fits 4 tokens a sequence at factor 1: it scores with the worst-case buffer and says so."""
   family, workdir, _ = imported
   if family == "mixtral":
     out = run_module(["launch.score", f"--workdir={workdir}", f"--output={tmp_path}/l.npy",
@@ -198,6 +199,7 @@ def test_score_command(imported, tmp_path):
     return
   lines = run_module(["launch.score", f"--workdir={workdir}", "--text=w5 w17 w200 w3"]
                      ).strip().splitlines()
+  assert ("scored with the worst-case buffer" in lines[0]) == (family == "llama4_text_v4")
   losses = [float(line.split("\t")[1]) for line in lines[1:-1]]
   assert [line.split("\t")[0] for line in lines[1:-1]] == ["'w17'", "'w200'", "'w3'"]
   words = lines[-1].split()  # 3 tokens: mean loss M nats, perplexity P

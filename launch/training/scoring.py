@@ -15,6 +15,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import moe_hk
 from launch.settings import Settings
 from launch.training import model as model_lib
+from moe_hk import buffer_size, fallback
+from moe_hk.shard_forward import builds_fallback
 
 Forward = Callable[[hk.Params, jax.Array], tuple[jax.Array, moe_hk.MoEStats]]
 
@@ -32,6 +34,30 @@ def forward(settings: Settings, mesh: Mesh) -> Forward:
   batch = NamedSharding(mesh, P(tuple(mesh.axis_names)))
   return jax.jit(lambda params, tokens: model.apply(params, None, tokens),
                  in_shardings=(None, batch))
+
+
+def fitted(settings: Settings, shape: tuple[int, int], devices: int) -> tuple[Settings, str]:
+  """The run's settings for scoring `shape = (B, S)` tokens (B a multiple of `devices`), and a
+  note: as they are (no note), or, when no chunk count of the dropless fallback fits so few
+  tokens per device (a short text on many expert shards), with the worst-case buffer, which
+  drops nothing either, and a note saying so."""
+  layer, shards = settings.layer, settings.expert_shards
+  rows, seq = shape[0] // devices, shape[1]
+  k, local, tokens = layer.num_experts_per_tok, layer.num_experts // shards, rows * seq
+  if not builds_fallback(layer, shards=shards, tokens=tokens):
+    return settings, ""
+  try:
+    fallback.fallback_num_chunks(
+        batch=rows, seq=seq, k=k, shards=shards, local_experts=local,
+        rows=buffer_size.buffer_rows(shards, tokens, k, local, layer.ragged_buffer_factor),
+        requested=layer.dropless_fallback_num_chunks)
+  except ValueError:
+    note = (f"{seq} positions are too few for the fallback's chunks at ragged_buffer_factor="
+            f"{layer.ragged_buffer_factor:g} on {shards} expert shards: scored with the "
+            "worst-case buffer, which drops nothing either")
+    return settings._replace(layer=layer.replace(
+        ragged_buffer_factor=buffer_size.WORST_CASE)), note
+  return settings, ""
 
 
 def padded(tokens: np.ndarray, multiple: int) -> np.ndarray:
