@@ -13,7 +13,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from moe_hk import mesh as mesh_lib
 from moe_hk.config import MoEConfig
-from moe_hk.expert_types import LayerCall
+from moe_hk.layer_call import LayerCall
 from moe_hk.mesh_forward import MoEParams, forward_after_check, param_specs
 from moe_hk.stats import MoEStats
 

@@ -17,7 +17,8 @@ from jax.sharding import Mesh, PartitionSpec as P
 from moe_hk import casting, mesh as mesh_lib
 from moe_hk.config import MoEConfig
 from moe_hk.events import emit_layer_event
-from moe_hk.expert_types import Backends, ExpertWeights, LayerCall
+from moe_hk.expert_types import Backends, ExpertWeights
+from moe_hk.layer_call import LayerCall
 from moe_hk.shard_forward import builds_fallback, moe_shard
 from moe_hk.stats import MoEStats, reduce_stats
 

@@ -27,7 +27,8 @@ import jax.numpy as jnp
 
 from moe_hk import buffer_size, dispatch_plan, fallback, routing as routing_lib
 from moe_hk.config import MoEConfig
-from moe_hk.expert_types import Backends, ExpertWeights, LayerCall
+from moe_hk.expert_types import Backends, ExpertWeights
+from moe_hk.layer_call import LayerCall
 from moe_hk.ragged_path import gather_counts, ragged_moe
 from moe_hk.ring_path import ring_moe
 from moe_hk.stats import MoEStats

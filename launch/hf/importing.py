@@ -20,7 +20,7 @@ import moe_hk
 from launch import settings as settings_lib
 from launch.errors import user_errors
 from launch.hf import hf_config, reading
-from launch.hf.family import Family
+from launch.hf.family import Tensor
 from launch.training import checkpoints, data as data_lib, spikes, steps as steps_lib
 
 SOURCE = "hf_source.json"        # in the workdir: the family, dtype and config.json imported
@@ -41,12 +41,12 @@ def configured(config: ml_collections.ConfigDict, keys: dict) -> ml_collections.
   return config
 
 
-def _params(source: reading.SafetensorsFolder, family: Family, keys: dict, abstract) -> dict:
-  """Every parameter leaf of `abstract` (shapes and shardings) of the model of `keys`, read
-  from `source`."""
-  tensors = {(t.module, t.name): t for t in family.tensors(keys)}
+def _params(source: reading.SafetensorsFolder, tensors: list[Tensor], abstract) -> dict:
+  """Every parameter leaf of `abstract` (shapes and shardings), read from `source` as
+  `tensors` (the family's names for the model's leaves) say."""
+  tensors = {(t.module, t.name): t for t in tensors}
   leaves = {(m, n) for m, names in abstract.items() for n in names}
-  assert leaves == set(tensors), f"family {family.model_type}: {leaves ^ set(tensors)}"
+  assert leaves == set(tensors), f"leaves and tensors that do not pair: {leaves ^ set(tensors)}"
   return {module: {name: reading.read_leaf(source, tensors[module, name], leaf.shape,
                                            leaf.sharding)
                    for name, leaf in names.items()} for module, names in abstract.items()}
@@ -97,9 +97,10 @@ def import_checkpoint(folder: str, workdir: str, config: ml_collections.ConfigDi
   steps = steps_lib.make_steps(settings, mesh)
   abstract = steps_lib.abstract_inputs(settings.config, steps)[0]
   os.makedirs(workdir, exist_ok=True)
+  tensors = family.tensors(keys)
   with reading.SafetensorsFolder(folder) as source:
-    dtype = source.dtype(family.tensors(keys)[0].hf)
-    state = _state(settings, steps, _params(source, family, keys, abstract.params))
+    dtype = source.dtype(tensors[0].hf)
+    state = _state(settings, steps, _params(source, tensors, abstract.params))
   _save(settings, workdir, state)
   if jax.process_index() == 0:
     _record(folder, workdir, settings.config, hf, dtype)
