@@ -87,6 +87,16 @@ def test_xla_form_attends_within_chunks(block):
   assert not np.allclose(jax.jit(fn)(*inputs[:3]), reference_attention(*inputs[:3]), atol=1e-2)
 
 
+def test_a_chunk_of_the_whole_sequence_is_the_causal_mask():
+  """Maverick's chunks of 8192 at seq_len 8192: no chunk mask is built, the program is the
+  causal one's; a shorter chunk's is not."""
+  q, k, v, _ = _inputs(5, 1, 16, 2, 3, 8)
+
+  def program(chunk):
+    return str(jax.make_jaxpr(lambda q, k, v: attention.causal_attention(
+        q, k, v, impl="xla", block=0, mesh=None, chunk=chunk))(q, k, v))
+  assert program(16) == program(32) == program(0) != program(8)
+
 def test_splash_form_attends_within_chunks_in_interpret_mode():
   """Chunks of 192 positions over 128-wide tiles: a chunk boundary crosses a tile."""
   mesh = moe_hk.make_mesh(data=2, expert=4)

@@ -60,8 +60,11 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, impl: str, blo
   `block` is the XLA form's query block (0: one block); `mesh` is where 'splash' runs its
   shard_map (the batch sharded over every mesh axis); `chunk` > 0 lets a query attend only to
   the keys of its own chunk of that many positions (chunks start at multiples of `chunk`:
-  Llama 4's chunked attention; 'xla' and 'splash'). Each form ignores what it does not use.
+  Llama 4's chunked attention; 'xla' and 'splash'); a chunk of the whole sequence or more is
+  the causal mask, and runs as one. Each form ignores what it does not use.
   """
+  if chunk >= q.shape[1]:
+    chunk = 0
   if impl == "xla":
     return xla_attention(q, k, v, block, chunk)
   if impl == "splash":
