@@ -289,9 +289,9 @@ def _check_positions(config: ml_collections.ConfigDict) -> None:
   _one_of("rope_scaling.type", scaling.type, ROPE_SCALINGS)
   if scaling.type == "llama3":
     _require(scaling.factor > 0 and scaling.original_max_positions > 0 and
-             0 < scaling.low_freq_factor < scaling.high_freq_factor,
+             0 < scaling.low_freq_factor <= scaling.high_freq_factor,
              f"config.rope_scaling={scaling.to_dict()}: llama3 needs factor > 0, "
-             "original_max_positions > 0 and 0 < low_freq_factor < high_freq_factor.")
+             "original_max_positions > 0 and 0 < low_freq_factor <= high_freq_factor.")
   for name in ("nope_every", "attention_chunk_size"):
     _require(isinstance(config[name], int) and config[name] >= 0,
              f"config.{name}={config[name]!r} must be an integer >= 0 (0: off).")

@@ -93,3 +93,15 @@ def test_llama3_scaling_keeps_slows_and_blends_the_rates():
   blend = (16 / wavelength[0] - 1) / 3
   np.testing.assert_allclose(scaled[0], (1 - blend) * plain[0] / 8 + blend * plain[0],
                              rtol=1e-6)
+
+
+def test_llama3_scaling_with_equal_factors_slows_or_keeps():
+  """Scout's published factors (low = high = 1): no blended band, so a pair is slowed when its
+  wavelength exceeds the window and kept otherwise, with nothing divided by zero."""
+  scaling = ml_collections.ConfigDict(dict(type="llama3", factor=16.0, low_freq_factor=1.0,
+                                           high_freq_factor=1.0, original_max_positions=16))
+  plain = np.asarray(positions.frequencies(8, 500_000.0))
+  scaled = np.asarray(positions.frequencies(8, 500_000.0, scaling))
+  slowed = 2 * np.pi / plain > 16
+  assert slowed.any() and not slowed.all()
+  np.testing.assert_array_equal(scaled, np.where(slowed, plain / 16, plain))

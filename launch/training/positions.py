@@ -23,7 +23,7 @@ def frequencies(head_dim: int, base: float, scaling: ml_collections.ConfigDict |
   `scaling.type == 'llama3'`, Llama 3's: pairs whose wavelength exceeds
   `original_max_positions / low_freq_factor` turn `factor` times slower, those below
   `original_max_positions / high_freq_factor` keep their rate, and those between blend the
-  two by where their wavelength falls."""
+  two by where their wavelength falls (none when the two factors are equal)."""
   rates = base ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
   if scaling is None or scaling.type == "none":
     return rates
@@ -31,6 +31,8 @@ def frequencies(head_dim: int, base: float, scaling: ml_collections.ConfigDict |
   low, high, factor = scaling.low_freq_factor, scaling.high_freq_factor, scaling.factor
   wavelength = 2 * math.pi / rates
   slowed = jnp.where(wavelength > window / low, rates / factor, rates)
+  if high == low:  # no band between the two (Llama 4 Scout's factors): slowed or kept
+    return slowed
   blend = (window / wavelength - low) / (high - low)
   blended = (1 - blend) * slowed / factor + blend * slowed
   middle = (wavelength >= window / high) & (wavelength <= window / low)
