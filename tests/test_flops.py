@@ -27,13 +27,32 @@ def test_one_matmul_and_a_scan_of_them():
 
 
 def test_grad_of_a_rematerialised_matmul_counts_the_recompute():
-  """Forward and the two backward matmuls (dx, dw); rematerialised, the forward again."""
+  """Forward and the two backward matmuls (dx, dw); rematerialised, the forward again. Under
+  `grad` alone the rematerialised forward's output is dead (the loss is not returned): only
+  the recompute and the backward run."""
   x, w = _spec(8, 16), _spec(16, 32)
   layer = lambda x, w: jnp.tanh(x @ w)  # its backward needs the forward's output
   one = 2 * 8 * 16 * 32
   for fn, matmuls in ((layer, 3), (jax.checkpoint(layer), 4)):
-    grad = jax.grad(lambda x, w, fn=fn: jnp.sum(fn(x, w)), argnums=(0, 1))
-    assert flops.matmul_flops(grad, x, w) == matmuls * one
+    step = jax.value_and_grad(lambda x, w, fn=fn: jnp.sum(fn(x, w)), argnums=(0, 1))
+    assert flops.matmul_flops(step, x, w) == matmuls * one
+  grad = jax.grad(lambda x, w: jnp.sum(jax.checkpoint(layer)(x, w)), argnums=(0, 1))
+  assert flops.matmul_flops(grad, x, w) == 3 * one
+
+
+def test_a_matmul_nothing_uses_is_not_counted():
+  """Dead code, which XLA removes: a VJP's unused primal output (the fallback's backward
+  recomputes its branch with `jax.vjp`), or a product computed and dropped."""
+  x, w = _spec(8, 16), _spec(16, 32)
+  one = 2 * 8 * 16 * 32
+  assert flops.matmul_flops(lambda x, w: (x @ w, x)[1], x, w) == 0
+  # x @ w's primal (unused) and its two cotangent matmuls of which only dx is returned.
+  dx = lambda x, w: jax.vjp(lambda x: x @ w, x)[1](jnp.ones((8, 32)))[0]
+  assert flops.matmul_flops(dx, x, w) == one
+  # Control: returned, the primal counts.
+  both = lambda x, w: (lambda out, pull: (out, pull(jnp.ones((8, 32)))))(*jax.vjp(
+      lambda x: x @ w, x))
+  assert flops.matmul_flops(both, x, w) == 2 * one
 
 
 def test_shard_map_body_counts_once_per_device_and_cond_its_first_branch():
@@ -52,20 +71,21 @@ def test_ragged_dot_counts_each_row_against_one_group():
   sizes = jax.ShapeDtypeStruct((4,), jnp.int32)
   assert flops.matmul_flops(jax.lax.ragged_dot, x, w, sizes) == 2 * 64 * 16 * 32
   # Its input gradient ([M, N] x [G, K, N]) and weight gradient ([M, K] x [M, N] -> [G, K, N]).
-  grad = jax.grad(lambda x, w, s: jnp.sum(jax.lax.ragged_dot(x, w, s)), argnums=(0, 1))
-  assert flops.matmul_flops(grad, x, w, sizes) == 3 * 2 * 64 * 16 * 32
+  step = jax.value_and_grad(lambda x, w, s: jnp.sum(jax.lax.ragged_dot(x, w, s)),
+                            argnums=(0, 1))
+  assert flops.matmul_flops(step, x, w, sizes) == 3 * 2 * 64 * 16 * 32
 
 
 def test_megablox_kernels_count_their_cost_estimate():
   """The Pallas grouped matmuls state 2 x rows x K x N: the SwiGLU's three in the forward, and
-  under grad three input-gradient and three weight-gradient kernels more."""
+  under value_and_grad three input-gradient and three weight-gradient kernels more."""
   x, wi, wo = _spec(64, 16), _spec(4, 16, 32), _spec(4, 32, 16)
   sizes = jax.ShapeDtypeStruct((4,), jnp.int32)
   mlp = lambda x, wi_0, wi_1, wo, sizes: megablox.expert_mlp(x, wi_0, wi_1, wo, sizes, True)
   one = 2 * 64 * 16 * 32
   assert flops.matmul_flops(mlp, x, wi, wi, wo, sizes) == 3 * one
-  grad = jax.grad(lambda *a: jnp.sum(mlp(*a)), argnums=(0, 1, 2, 3))
-  assert flops.matmul_flops(grad, x, wi, wi, wo, sizes) == 9 * one
+  step = jax.value_and_grad(lambda *a: jnp.sum(mlp(*a)), argnums=(0, 1, 2, 3))
+  assert flops.matmul_flops(step, x, wi, wi, wo, sizes) == 9 * one
 
 
 def test_the_model_flops_behind_mfu_are_the_hand_count_of_the_tiny_model():

@@ -7,10 +7,12 @@ transposes) 2 x rows x K x N (each row meets one group's matrix); a scan multipl
 by its length; a `shard_map` body (per-device shapes) by the mesh size; a cond or switch
 counts its first branch (for the MoE layer: the capped path, the step that did not
 overflow); remat, custom-VJP and nested calls count their bodies as they appear (a
-rematerialised forward appears twice under grad, so its recompute is counted). A Pallas
-kernel (`pallas_call`) counts the FLOPs its `cost_estimate` states (megablox's grouped
-matmuls: 2 x rows x K x N, as for ragged_dot); one without an estimate (splash attention) is
-opaque: not counted.
+rematerialised forward appears twice under grad, so its recompute is counted). What nothing
+uses is not counted, as XLA removes it: the fallback's VJP recomputes its branch with
+`jax.vjp`, whose last expert matmul only feeds the primal output, which the backward of an
+input-weighted router never reads. A Pallas kernel (`pallas_call`) counts the FLOPs its
+`cost_estimate` states (megablox's grouped matmuls: 2 x rows x K x N, as for ragged_dot); one
+without an estimate (splash attention) is opaque: not counted.
 """
 from __future__ import annotations
 
@@ -18,12 +20,18 @@ import math
 from typing import Any, Callable
 
 import jax
+from jax._src.interpreters import partial_eval
 from jax.extend import core
 
 
 def matmul_flops(fn: Callable, *args: Any) -> float:
   """Matmul FLOPs of `fn(*args)` (args may be ShapeDtypeStructs), over the whole program."""
-  return _jaxpr_flops(jax.make_jaxpr(fn)(*args).jaxpr)
+  jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
+  # jax's dead-code elimination, into every nested jaxpr (each primitive's own rule: a scan's
+  # unused carries, a custom VJP's unused outputs); jax exposes it only privately, in both
+  # pinned versions.
+  live, _ = partial_eval.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars))
+  return _jaxpr_flops(live)
 
 
 def _dot_flops(eqn) -> float:
