@@ -60,7 +60,7 @@ def test_a_missing_config_file_names_the_shipped_ones(capsys, tmp_path, monkeypa
   assert status == cli.USER_ERROR
   assert one_line(stderr) == (
       f"--config=launch/configs/tny.py: no such file (from {tmp_path}). Shipped configs: "
-      f"default.py, demo.py, maverick.py, tiny.py, tpu_chip.py in {ROOT}/launch/configs.")
+      f"default.py, demo.py, maverick.py, scout.py, tiny.py, tpu_chip.py in {ROOT}/launch/configs.")
 
 
 @pytest.mark.parametrize("source,message", [
@@ -104,7 +104,7 @@ def test_the_config_file_is_loaded_once(monkeypatch):
 
 def test_config_flag_help_lists_the_shipped_configs_and_print_config():
   help_text = flags.FLAGS["config"].help
-  assert (f"Shipped configs: default.py, demo.py, maverick.py, tiny.py, tpu_chip.py in {ROOT}/launch/configs"
+  assert (f"Shipped configs: default.py, demo.py, maverick.py, scout.py, tiny.py, tpu_chip.py in {ROOT}/launch/configs"
           in help_text)
   assert "--print_config" in help_text
   assert flags.FLAGS["config"].default == f"{ROOT}/launch/configs/maverick.py"

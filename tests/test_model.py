@@ -216,11 +216,12 @@ def test_a_layer_pattern_that_does_not_fit_the_layers_is_refused():
 def test_a_fresh_models_first_loss_is_ln_vocabulary(name, tied):
   """Step 0's loss within 0.5 nat of ln(vocab_size) for every shipped config at its own width
   (32 to 5120; the tied embedding's own-token logit once made it 27 nats at 2048) and untied.
-  Each is cut to one layer group of two heads and 8 narrow experts on the 8 CPU devices and a
+  Each is cut to one layer group (Maverick's: 2 dense and 2 MoE blocks, one without RoPE) of
+  two heads and 8 narrow experts on the 8 CPU devices and a
   vocabulary of at most 32768 (the rule is about the width); embedding, output and norms as
   shipped."""
   config = settings_lib.load(os.path.join(settings_lib.CONFIGS, f"{name}.py"))
-  config.update(num_layers=config.moe_every, mlp_dim=64, vocab_size=min(config.vocab_size,
+  config.update(num_layers=model_lib.layer_period(config), mlp_dim=64, vocab_size=min(config.vocab_size,
                                                                         32_768),
                 tie_embeddings=tied, attention_impl="xla", attention_block=0, loss_chunk=0,
                 remat_policy="none", num_heads=2, num_kv_heads=1)
