@@ -54,7 +54,7 @@ REMAT_POLICIES = {
     # As 'full', but each group's input, the one residual 'full' keeps, waits for the backward
     # in the host's memory (TPU and GPU: `pinned_host`), copied out in the forward and back
     # in the backward; the same FLOPs. What a 48-layer model keeps per chip drops by its
-    # 24 group inputs (Maverick: 24 x [4, 8192, 5120] bfloat16, 7.5 GiB).
+    # group inputs (Maverick: 12 x [4, 8192, 5120] bfloat16, 3.75 GiB).
     "full_inputs_on_host": jax.checkpoint_policies.save_and_offload_only_these_names(
         names_which_can_be_saved=[], names_which_can_be_offloaded=["group_input"],
         offload_src="device", offload_dst="pinned_host"),
