@@ -12,9 +12,9 @@ temperature-tuned queries), the others with interleaved RoPE of base 500,000 wit
 
 bfloat16 compute on float32 params + Adam, every layer group (one period of the pattern: 2
 dense and 2 MoE layers) rematerialised with its input in host memory. Mesh FSDP 8 x EP 16
-(v5p-256: 128 chips), 4 sequences of 8,192 per chip, buffer factor 2.0, 32 fallback chunks. AdamW at a peak learning rate of 2.2e-4 after 2,000 warmup
-steps, weight decay 0.1 (DeepSeek-V3's schedule for its 671B MoE), loss and gradient-norm
-spikes skipped.
+(v5p-256: 128 chips), 4 sequences of 8,192 per chip, buffer factor 2.0, 32 fallback chunks.
+AdamW at a peak learning rate of 2.2e-4 after 2,000 warmup steps, weight decay 0.1
+(DeepSeek-V3's schedule for its 671B MoE), loss and gradient-norm spikes skipped.
 """
 import ml_collections
 
