@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import faulthandler
+import math
 import os
 import signal
 import sys
@@ -58,6 +59,14 @@ def initialize_distributed(coordinator: str | None, num_processes: int | None,
       raise app.UsageError(f"--process_id={process_id} must be in [0, {num_processes}).")
     initialize(coordinator, num_processes, process_id, **timeout)
   elif platforms != "cpu":
+    hosts = hosts_named(os.environ)
+    if hosts == 1:
+      # A single-host runtime (a lent chip, a one-host slice or GKE pod): no coordinator to
+      # reach, and such a host may open no sockets at all.
+      print("jax.distributed: this host's runtime names one host "
+            f"({', '.join(cluster_variables(os.environ))}): running as one process.",
+            flush=True)
+      return
     try:
       initialize(**timeout)
     except Exception as e:  # noqa: BLE001  (detection may fail any way: see `_detection_failed`)
@@ -65,15 +74,40 @@ def initialize_distributed(coordinator: str | None, num_processes: int | None,
 
 
 # Variables a multi-host launcher sets (Cloud TPU on GKE, multislice, SLURM, Open MPI): with one
-# of them present, a failed detection is a failed multi-host launch, not a lone host.
-_CLUSTER_VARIABLES = ("TPU_WORKER_HOSTNAMES", "TPU_PROCESS_ADDRESSES",
+# of them saying several hosts, a failed detection is a failed multi-host launch, not a lone host.
+_CLUSTER_VARIABLES = ("TPU_WORKER_HOSTNAMES", "TPU_HOST_BOUNDS", "TPU_PROCESS_ADDRESSES",
                       "MEGASCALE_COORDINATOR_ADDRESS", "MEGASCALE_NUM_SLICES", "SLURM_JOB_ID",
-                      "OMPI_COMM_WORLD_SIZE", "OMPI_MCA_orte_hnp_uri")
+                      "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "OMPI_MCA_orte_hnp_uri")
 
 
 def cluster_variables(environ) -> list[str]:
   """The names of `_CLUSTER_VARIABLES` set in `environ`."""
   return [name for name in _CLUSTER_VARIABLES if environ.get(name)]
+
+
+def _count(name: str, value: str) -> int | None:
+  """How many hosts (or processes) one variable's value names; None where it names no count."""
+  if name in ("TPU_WORKER_HOSTNAMES", "TPU_PROCESS_ADDRESSES"):
+    return len([h for h in value.split(",") if h.strip()])
+  if name == "TPU_HOST_BOUNDS":  # hosts along each axis of the slice, e.g. "1,1,1" or "2,2,1"
+    try:
+      return math.prod(int(b) for b in value.split(","))
+    except ValueError:
+      return None
+  if name in ("MEGASCALE_NUM_SLICES", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"):
+    return int(value) if value.strip().isdigit() else None
+  return None
+
+
+def hosts_named(environ) -> int | None:
+  """The number of hosts (processes) the cluster variables in `environ` say the run has: the
+  largest count any of them gives (a single-host TPU runtime sets `TPU_WORKER_HOSTNAMES=
+  localhost` and `TPU_HOST_BOUNDS=1,1,1`: one host, whatever other variables it sets); None
+  when none gives a count (no variable, or only ones like SLURM_JOB_ID or a coordinator's
+  address), which leaves the question to jax's detection."""
+  counts = [_count(name, environ[name]) for name in cluster_variables(environ)]
+  known = [c for c in counts if c is not None]
+  return max(known) if known else None
 
 
 def _detection_failed(error: Exception, variables: list[str]) -> None:

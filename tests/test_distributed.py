@@ -108,11 +108,14 @@ def test_a_process_whose_heartbeat_stops_is_lost_after_the_timeout():
   store = _Store()
   dogs = [Watchdog(store, p, 3, timeout_s=5.0, on_lost=None) for p in range(3)]
   lost = {}
+  # The watchdogs stamp their start with time.monotonic(): the test's clock starts there too
+  # (a fixed origin fails on a host up for less than it).
+  origin = time.monotonic()
   for t in range(12):
     for p, dog in enumerate(dogs):
       if p == 1 and t >= 3:
         continue
-      found = dog.check(now=1000.0 + t)
+      found = dog.check(now=origin + t)
       if found:
         lost.setdefault(p, (t, found))
   # Process 1's last beat (at t=2) was read by process 2 at t=2 and by process 0, which checks
@@ -189,3 +192,58 @@ def test_a_stopped_watchdog_judges_nothing_and_leaves_aborts_alone():
   child, _ = _aborting_process(beats=False, stopped=True)
   assert child.returncode == -signal.SIGABRT, (child.returncode, child.stderr[-2000:])
   assert "lost" not in child.stderr and "most recent call first" not in child.stderr
+
+
+@pytest.mark.parametrize("environ,hosts", [
+    # What a lent v5e chip's runtime sets: one host, however many variables say so.
+    (dict(TPU_WORKER_HOSTNAMES="localhost", TPU_HOST_BOUNDS="1,1,1", TPU_WORKER_ID="0"), 1),
+    (dict(TPU_HOST_BOUNDS="1,1,1"), 1),
+    (dict(TPU_WORKER_HOSTNAMES="t1v-0,t1v-1,t1v-2,t1v-3"), 4),
+    (dict(TPU_WORKER_HOSTNAMES="localhost", TPU_HOST_BOUNDS="2,2,1"), 4),
+    (dict(TPU_PROCESS_ADDRESSES="10.0.0.1:8476,10.0.0.2:8476"), 2),
+    (dict(TPU_WORKER_HOSTNAMES="localhost", MEGASCALE_NUM_SLICES="2"), 2),
+    (dict(SLURM_JOB_ID="77", SLURM_NTASKS="8"), 8),
+    (dict(SLURM_JOB_ID="77", SLURM_NTASKS="1"), 1),
+    (dict(OMPI_COMM_WORLD_SIZE="16"), 16),
+    # No count: jax's detection decides.
+    (dict(SLURM_JOB_ID="77"), None),
+    (dict(MEGASCALE_COORDINATOR_ADDRESS="10.0.0.1"), None),
+    (dict(OMPI_MCA_orte_hnp_uri="123.0;tcp://10.0.0.1:5000"), None),
+    ({}, None),
+])
+def test_hosts_are_read_from_what_the_variables_say(environ, hosts):
+  assert distributed.hosts_named(environ) == hosts
+
+
+def test_a_single_host_runtime_runs_as_one_process_without_initialising(monkeypatch, capsys):
+  """A lent chip's runtime names one host (and the host opens no sockets): jax.distributed is
+  not started, and one line says why."""
+  for name in distributed._CLUSTER_VARIABLES:
+    monkeypatch.delenv(name, raising=False)
+  monkeypatch.setenv("TPU_WORKER_HOSTNAMES", "localhost")
+  monkeypatch.setenv("TPU_HOST_BOUNDS", "1,1,1")
+  init = _Recorder(ConnectionError("metadata.google.internal unreachable"))
+  initialize_distributed(None, None, None, "", initialize=init)
+  assert init.calls == []
+  out = capsys.readouterr().out
+  assert out.count("\n") == 1 and "runtime names one host" in out, out
+  assert "TPU_WORKER_HOSTNAMES" in out and "running as one process" in out, out
+
+
+@pytest.mark.parametrize("name,value", [
+    ("TPU_WORKER_HOSTNAMES", "host-0,host-1"), ("TPU_HOST_BOUNDS", "2,1,1"),
+    ("TPU_PROCESS_ADDRESSES", "a:1,b:1"), ("MEGASCALE_COORDINATOR_ADDRESS", "10.0.0.1"),
+    ("MEGASCALE_NUM_SLICES", "2"), ("SLURM_JOB_ID", "77"), ("SLURM_NTASKS", "4"),
+    ("OMPI_COMM_WORLD_SIZE", "4"), ("OMPI_MCA_orte_hnp_uri", "1.0;tcp://10.0.0.1:5000"),
+])
+def test_each_multi_host_launchers_variable_makes_a_failed_detection_an_error(
+    name, value, monkeypatch):
+  """Every launcher's variable, listed here rather than read from the product's tuple: a
+  cluster of any of them whose detection fails is never run as one process."""
+  for other in distributed._CLUSTER_VARIABLES:
+    monkeypatch.delenv(other, raising=False)
+  monkeypatch.setenv(name, value)
+  init = _Recorder(ValueError("coordinator_address should be defined."))
+  with pytest.raises(errors.UserError, match=rf"variables \({name}\)"):
+    initialize_distributed(None, None, None, "tpu", initialize=init)
+  assert init.calls == [()]
