@@ -105,3 +105,14 @@ def test_aot_refuses_a_cpu_topology_without_a_count(topology):
   with pytest.raises(ValueError, match=f"--compile_topology={topology} must be 'cpu:N' with "
                                        "N >= 1"):
     topology_lib.cpu_device_count(topology)
+
+
+def test_make_test_tpus_collection_holds_on_a_one_device_host():
+  """`make test-tpu` collects every test module on the chip's host, where jax has one device:
+  no module may build a mesh of several devices at import (a one-chip host failed so)."""
+  env = {**os.environ, "MOE_HK_TPU": "1", "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+  done = subprocess.run([sys.executable, "-m", "pytest", "-q", "--collect-only", "-m", "tpu",
+                         "-p", "no:cacheprovider", "tests"], cwd=ROOT, env=env,
+                        capture_output=True, text=True, timeout=300)
+  assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+  assert "tests/test_tpu_chip.py::" in done.stdout, done.stdout[-2000:]
