@@ -4,7 +4,7 @@ attention, model, data and spikes) takes them from here, which also keeps
 `launch.training.data` free of jax for the data tools."""
 
 ATTENTION_IMPLS = ("auto", "xla", "splash", "cudnn")
-REMAT_POLICIES = ("none", "full", "save_attention_moe", "full_inputs_on_host")
+REMAT_POLICIES = ("none", "full", "save_attention_moe", "save_dots", "full_inputs_on_host")
 ROPE_LAYOUTS = ("rotate_half", "interleaved")  # which dimensions a rotary pair joins
 ROPE_SCALINGS = ("none", "llama3")             # config.rope_scaling.type
 DATA_SOURCES = ("stdlib", "synthetic", "files", "array_record")

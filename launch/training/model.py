@@ -51,6 +51,11 @@ REMAT_POLICIES = {
     # rest: per group 2 x moe_every - 1 more [B, S, D] arrays kept, less recompute.
     "save_attention_moe": jax.checkpoint_policies.save_only_these_names("attention_out",
                                                                        "moe_out"),
+    # Keeps every matmul output whose operands share no batch axis (the projections: q, k, v,
+    # o, the dense MLP's three, the router's) and recomputes the rest in the backward: norms,
+    # rotary, the attention kernel's forward, the MoE's permutation and grouped matmuls. Per
+    # block about (2 + 2 x kv/q heads) x D + 3 x mlp_dim bf16 values a token.
+    "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
     # As 'full', but each group's input, the one residual 'full' keeps, waits for the backward
     # in the host's memory (TPU and GPU: `pinned_host`), copied out in the forward and back
     # in the backward; the same FLOPs. What a 48-layer model keeps per chip drops by its
