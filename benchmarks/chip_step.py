@@ -2,7 +2,7 @@
 matmul backend, and peak memory per MoE buffer variant.
 
   python -m benchmarks.chip_step [--config=launch/configs/tpu_chip.py] [--steps=20]
-      [--attention=auto,xla] [--gmm=ragged_dot,megablox] [--memory=capped,fallback,worst_case]
+      [--attention=auto] [--gmm=ragged_dot,megablox] [--memory=capped,fallback,worst_case]
       [--profile_dir=DIR] [--results=chip_step] [--config.KEY=VALUE ...]
 
 Each case runs in a process of its own, so that the device's `peak_bytes_in_use` is that one
@@ -40,9 +40,36 @@ MEMORY_CASES = {
 }
 
 
-def measure(config, steps: int, warmup: int, profile_dir: str = "") -> dict:
+def largest_ballast(compiled, init, batch, limit: int, resolution: int = 64 << 20) -> int:
+  """The most bytes a ballast array can hold on the device while `compiled` still runs a
+  step of a fresh state (`init()`) on `batch`, found by bisection to `resolution`: the
+  device's limit less this is what the step needs there, state, temporaries and the
+  allocator's fragmentation together, whatever its statistics count."""
+  import jax
+  import jax.numpy as jnp
+  fits, too_big = 0, limit
+  while too_big - fits > resolution:
+    size = (fits + too_big) // 2 // resolution * resolution
+    state = init()
+    try:
+      ballast = jnp.zeros((size,), jnp.uint8)
+      jax.block_until_ready(compiled(state, batch))
+      fits = size
+    except jax.errors.JaxRuntimeError as e:
+      if "RESOURCE_EXHAUSTED" not in str(e):
+        raise
+      too_big = size
+    finally:
+      ballast = state = None  # noqa: F841  (frees both before the next try)
+  return fits
+
+
+def measure(config, steps: int, warmup: int, profile_dir: str = "", keep_hlo: bool = False,
+            headroom: bool = False) -> dict:
   """Compiles and runs `config`'s train step in this process: its AOT memory, seconds per
-  step over `steps` steps after `warmup`, tokens/s, TFLOP/s per chip, MFU, peak memory."""
+  step over `steps` steps after `warmup`, tokens/s, TFLOP/s per chip, MFU, the device's
+  memory statistics (and, with `headroom`, `largest_ballast`'s figure; with `keep_hlo`, the
+  compiled program's text as `hlo`)."""
   import jax
   import numpy as np
   import moe_hk
@@ -78,7 +105,7 @@ def measure(config, steps: int, warmup: int, profile_dir: str = "") -> dict:
                                throughput.peak_tflops(device.device_kind, device.platform,
                                                       config.peak_tflops_per_device))
   stats = device.memory_stats() or {}
-  return {
+  figures = {
       "seconds_per_step": seconds, "compile_seconds": compile_s,
       "tokens_per_second": config.data.batch_size * config.data.seq_len / seconds,
       "model_tflops_per_device": tflops, "mfu": mfu, "model_flops_per_step": flops,
@@ -88,22 +115,36 @@ def measure(config, steps: int, warmup: int, profile_dir: str = "") -> dict:
       "bytes_limit": stats.get("bytes_limit"),
       "aot_total_bytes": memory.total_memory_bytes(compiled),
       "aot_temp_bytes": compiled.memory_analysis().temp_size_in_bytes,
+      "memory_stats": stats,
+      # What the TPU runtime holds for the step: the live arrays (the train state, batches)
+      # and the reservation it makes for the program's temporaries at its launch.
+      "chip_bytes": (stats["peak_bytes_in_use"] + stats["peak_bytes_reserved"]
+                     if "peak_bytes_reserved" in stats else None),
+      **({"hlo": compiled.as_text()} if keep_hlo else {}),
   }
+  if headroom and "bytes_limit" in stats:
+    state = out = None  # each try starts from a fresh state, as a run's first step does
+    figures["ballast_bytes"] = largest_ballast(
+        compiled, lambda: program.init(jax.random.key(config.seed)), batches[0],
+        stats["bytes_limit"])
+    figures["chip_bytes_by_ballast"] = stats["bytes_limit"] - figures["ballast_bytes"]
+  return figures
 
 
 def cases(args) -> list[tuple[str, dict]]:
-  """(name, config overrides) of every case asked for."""
-  speed = [(f"speed attention={a} gmm={g}", {"attention_impl": a, "moe.gmm_impl": g})
+  """(name, config overrides, whether to bisect the ballast) of every case asked for: the
+  memory cases find what the step holds on the device (`largest_ballast`)."""
+  speed = [(f"speed attention={a} gmm={g}", {"attention_impl": a, "moe.gmm_impl": g}, False)
            for a in args.attention for g in args.gmm]
-  memory = [(f"memory {name}", MEMORY_CASES[name]) for name in args.memory]
+  memory = [(f"memory {name}", MEMORY_CASES[name], True) for name in args.memory]
   return speed + memory
 
 
-def _child(args, overrides: dict) -> dict:
+def _child(args, overrides: dict, headroom: bool) -> dict:
   """Runs one case in a new process (its own peak memory); its JSON result."""
   argv = [sys.executable, "-m", "benchmarks.chip_step", f"--config={args.config}",
           f"--steps={args.steps}", f"--warmup={args.warmup}", "--child=" + json.dumps(overrides),
-          *args.config_flags]
+          *(["--headroom"] if headroom else []), *args.config_flags]
   if args.profile_dir:
     argv.append(f"--profile_dir={args.profile_dir}")
   done = subprocess.run(argv, capture_output=True, text=True, cwd=results.ROOT)
@@ -113,17 +154,18 @@ def _child(args, overrides: dict) -> dict:
 
 
 def _table(rows: list[dict]) -> str:
-  lines = ["| case | s/step | tokens/s | TFLOP/s/chip | MFU | peak HBM GiB | AOT GiB | "
-           "first loss |", "|---|---|---|---|---|---|---|---|"]
+  lines = ["| case | s/step | tokens/s | TFLOP/s/chip | MFU | chip GiB (in use + reserved) | "
+           "chip GiB (ballast) | AOT GiB | first loss |", "|---|---|---|---|---|---|---|---|---|"]
   gib = lambda b: f"{b / 2**30:.2f}" if b else "-"
   for row in rows:
     if "error" in row:
-      lines.append(f"| {row['case']} | error: {row['error']} |||||||")
+      lines.append(f"| {row['case']} | error: {row['error']} ||||||||")
       continue
     mfu = f"{row['mfu']:.1%}" if row["mfu"] is not None else "-"
     lines.append(f"| {row['case']} | {row['seconds_per_step']:.3f} | "
                  f"{row['tokens_per_second']:,.0f} | {row['model_tflops_per_device']:.1f} | {mfu} "
-                 f"| {gib(row['peak_bytes_in_use'])} | {gib(row['aot_total_bytes'])} | "
+                 f"| {gib(row['chip_bytes'])} | {gib(row.get('chip_bytes_by_ballast'))} | "
+                 f"{gib(row['aot_total_bytes'])} | "
                  f"{row['first_loss']:.3f} |")
   return "\n".join(lines)
 
@@ -134,12 +176,13 @@ def main(argv: list[str]) -> None:
   parser.add_argument("--steps", type=int, default=20)
   parser.add_argument("--warmup", type=int, default=3)
   split = lambda text: [t for t in text.split(",") if t]
-  parser.add_argument("--attention", type=split, default=["auto", "xla"])
+  parser.add_argument("--attention", type=split, default=["auto"])
   parser.add_argument("--gmm", type=split, default=["ragged_dot", "megablox"])
   parser.add_argument("--memory", type=split, default=list(MEMORY_CASES))
   parser.add_argument("--profile_dir", default="")
   parser.add_argument("--results", default="chip_step")
   parser.add_argument("--child", default="")
+  parser.add_argument("--headroom", action="store_true")
   args, config_flags = parser.parse_known_args(argv[1:])
   args.config_flags = config_flags
   if args.child:
@@ -147,14 +190,15 @@ def main(argv: list[str]) -> None:
     overrides += [tuple(f[len("--config."):].split("=", 1)) for f in config_flags]
     config = settings_lib.load(args.config, overrides)
     platform.setup(settings_lib.cpu_devices(config))
-    figures = measure(config, args.steps, args.warmup, args.profile_dir)
+    figures = measure(config, args.steps, args.warmup, args.profile_dir,
+                      headroom=args.headroom)
     print(json.dumps({**figures, "machine": results.machine()}))
     return
   # This process starts no jax backend: each case's process holds the chip in turn, and
   # names the machine it measured on.
   rows = []
-  for name, overrides in cases(args):
-    rows.append({"case": name, "overrides": overrides, **_child(args, overrides)})
+  for name, overrides, headroom in cases(args):
+    rows.append({"case": name, "overrides": overrides, **_child(args, overrides, headroom)})
     print(f"{name}: {json.dumps(rows[-1])}", flush=True)
   measured_on = next((row.pop("machine") for row in rows if "machine" in row), None)
   for row in rows:
