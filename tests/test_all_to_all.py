@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
-from moe_hk.all_to_all import emulated_ragged_all_to_all
+from moe_hk.all_to_all import emulated_ragged_all_to_all, ragged_all_to_all
 from moe_hk.dispatch_plan import Exchange
 
 
@@ -90,3 +90,18 @@ def test_random_exchanges_match_documented_semantics(shards, in_rows, out_rows, 
   untouched = _model([np.zeros((in_rows, 3))] * shards, [np.ones((out_rows, 3))] * shards,
                      exchanges)
   np.testing.assert_allclose(d_output, cot * untouched, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("in_rows,out_rows,sent", [(6, 4, 3), (6, 4, 4), (3, 5, 2), (4, 4, 0)])
+def test_one_shard_exchange_copies_its_segment(in_rows, out_rows, sent):
+  """On an axis of one shard the exchange is `local_ragged_all_to_all`'s copy (what a
+  plan for one shard asks: offsets 0), against the documented semantics; rows past the
+  segment keep the output's values."""
+  rng = np.random.default_rng(sent)
+  operand, output = (rng.normal(size=(n, 2)).astype(np.float32) for n in (in_rows, out_rows))
+  exchange = Exchange(np.array([0]), np.array([sent]), np.array([0]), np.array([sent]))
+  mesh = Mesh(np.asarray(jax.devices()[:1]), ("x",))
+  copy = jax.shard_map(lambda op, out: ragged_all_to_all(op, out, exchange, "x", "emulated"),
+                       mesh=mesh, in_specs=P(), out_specs=P())
+  np.testing.assert_array_equal(jax.jit(copy)(operand, output),
+                                _model([operand], [output], [exchange])[0])

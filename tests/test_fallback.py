@@ -17,6 +17,7 @@ BATCH = 16  # 2 per device
 
 # (expert shards, experts, top-k, factor, sequence): every case overflows its capped buffer.
 OVERFLOW = [(4, 8, 2, 0.5, 16), (8, 8, 1, 0.25, 32), (2, 4, 2, 0.4, 16), (8, 16, 4, 0.5, 16)]
+ONE_SHARD = (1, 8, 2, 0.75, 16)
 
 
 def _config(experts, k, factor, **kw):
@@ -43,7 +44,8 @@ _EXTRAS = {(OVERFLOW[0], False, "fixed"): ("force_dropless",),
            (OVERFLOW[3], True, "fixed"): ("step",)}
 # `make test-fast` runs the third case's fixed chunking on both paths (the quickest); the rest
 # are marked slow.
-_FAST = {(OVERFLOW[2], False, "fixed", "ragged_dot"), (OVERFLOW[2], True, "fixed", "ragged_dot")}
+_FAST = {(OVERFLOW[2], False, "fixed", "ragged_dot"), (OVERFLOW[2], True, "fixed", "ragged_dot"),
+         (ONE_SHARD, False, "fixed", "ragged_dot")}
 FALLBACK_CASES = [
     pytest.param(*case, ring, chunking, gmm, _EXTRAS.get((case, ring, chunking), ()) if
                  gmm != "megablox" else (), id="-".join(
@@ -54,7 +56,10 @@ FALLBACK_CASES = [
      for case in OVERFLOW for ring in (False, True)]
     + [(OVERFLOW[2], False, "adaptive", "ragged_dot"), (OVERFLOW[2], True, "adaptive",
                                                         "ragged_dot"),
-       (OVERFLOW[2], False, "fixed", "megablox"), (OVERFLOW[3], True, "fixed", "megablox")]]
+       (OVERFLOW[2], False, "fixed", "megablox"), (OVERFLOW[3], True, "fixed", "megablox"),
+       # One expert shard (a single chip): its balanced load overflows a factor below 1, and
+       # its exchange is a local copy (`all_to_all.local_ragged_all_to_all`).
+       (ONE_SHARD, False, "fixed", "ragged_dot")]]
 
 
 @pytest.mark.parametrize("shards,experts,k,factor,seq,ring,chunking,gmm,extras", FALLBACK_CASES)

@@ -22,6 +22,7 @@ NUM_DEVICES = 8
 # R: XLA's `ragged_dot`, the quicker to compile).
 B, R = "blocked", "ragged_dot"
 GRID = [
+    (1, 2, 2, 0.5, R), (1, 1, 2, -1, B),  # one expert shard: the exchange is a local copy
     (2, 1, 1, -1, B), (2, 2, 2, 0.5, B), (2, 4, 4, 1.0, B), (2, 1, 4, 2.0, R),
     (4, 1, 1, 0.5, B), (4, 2, 2, 1.0, B), (4, 4, 1, 2.0, B), (4, 2, 4, -1, R),
     (8, 1, 1, 1.0, B), (8, 2, 1, 2.0, R), (8, 4, 2, 0.5, R), (8, 1, 2, -1, R), (8, 4, 1, 1.0, R),
@@ -87,7 +88,8 @@ def _assert_layer_matches_reference(shards, k, mult, factor, **overrides):
 
 # `make test-fast` runs one capped case per path with each backend and the worst case; the rest
 # of the grid is marked slow.
-_FAST = {(False, 2, 2, 2, 0.5, B), (False, 4, 2, 4, -1, R), (True, 4, 1, 1, 1.0, R)}
+_FAST = {(False, 2, 2, 2, 0.5, B), (False, 4, 2, 4, -1, R), (True, 4, 1, 1, 1.0, R),
+         (False, 1, 2, 2, 0.5, R)}
 
 
 @pytest.mark.parametrize("ring,shards,k,mult,factor,gmm", [
