@@ -31,8 +31,8 @@ from absl import app
 
 import moe_hk
 from launch.errors import UserError, user_errors
-from launch.choices import (ATTENTION_IMPLS, DATA_SOURCES, REMAT_POLICIES, ROPE_LAYOUTS, ROPE_SCALINGS,
-                            SPIKE_MIN_STEPS)
+from launch.choices import (ATTENTION_IMPLS, DATA_SOURCES, REMAT_POLICIES, ROPE_LAYOUTS,
+                            ROPE_SCALINGS, SPIKE_MIN_STEPS, resolve_attention)
 from launch.planning import autopilot
 from moe_hk import mesh as mesh_lib
 
@@ -43,7 +43,7 @@ FLAG_MISUSE = 2  # the exit status of a command line that does not parse (launch
 # `MoEConfig` fields the launcher derives from its other keys: the model's width and compute
 # dtype, and `record_traffic` from `config.traffic.record`.
 DERIVED_MOE_FIELDS = ("emb_dim", "dtype", "record_traffic")
-# The layer's host callbacks, which `config.moe_metrics=False` needs off.
+# The layer's host callbacks, which `config.moe_metrics=False` turns off.
 CALLBACK_FIELDS = ("emit_fallback_events", "stream_step_stats")
 
 
@@ -210,9 +210,11 @@ def heartbeat_timeout_s(config: ml_collections.ConfigDict) -> int:
 
 
 def build(config: ml_collections.ConfigDict, devices: int,
-          mesh: Mapping[str, int] | None = None) -> Settings:
+          mesh: Mapping[str, int] | None = None, platform: str | None = None) -> Settings:
   """Checks `config` for a run on `devices` devices and builds its `MoEConfig`; `mesh` (axis
-  sizes) replaces `config.mesh` (the planner regroups a run's devices).
+  sizes) replaces `config.mesh` (the planner regroups a run's devices). With `platform`
+  ('cpu', 'tpu', 'gpu': where the run's devices are), the kernels and backends the config
+  names must run there (compiles for another machine's topology leave it None).
 
   Raises `UserError` naming the first invalid key, its value and what is valid.
   """
@@ -222,7 +224,18 @@ def build(config: ml_collections.ConfigDict, devices: int,
   _check_mesh(config, layer, sizes, devices)
   _check_model(config)
   _check_run(config, layer)
+  if platform is not None:
+    _check_platform(config, layer, platform)
   return Settings(config, layer, sizes)
+
+
+def _check_platform(config: ml_collections.ConfigDict, layer: moe_hk.MoEConfig,
+                    platform: str) -> None:
+  """The attention form and the MoE backends run on `platform`: checked here, in one line,
+  rather than when the step is traced (a traceback from inside the trace)."""
+  with user_errors():
+    resolve_attention(config.attention_impl, platform)
+    moe_hk.mesh_forward.backends_on(layer, platform)
 
 
 def _layer_config(config: ml_collections.ConfigDict) -> moe_hk.MoEConfig:
@@ -235,13 +248,12 @@ def _layer_config(config: ml_collections.ConfigDict) -> moe_hk.MoEConfig:
       raise UserError(f"config.moe.{key} is not a MoE setting" +
                       (f"; did you mean {', '.join('config.moe.' + c for c in close)}?"
                        if close else f"; valid keys: {', '.join(valid)}."))
-  on = [f"config.moe.{name}=True" for name in CALLBACK_FIELDS if config.moe.get(name, False)]
-  if not config.moe_metrics and on:
-    raise UserError(f"config.moe_metrics=False turns the MoE telemetry off but "
-                    f"{' and '.join(on)} would still call back to the host: set "
-                    f"{'it' if len(on) == 1 else 'them'} False as well.")
+  # The layer's callbacks feed the MoE telemetry: without it they are off too, which the
+  # trainer says on the console (`launch.training.trainer`).
+  callbacks = {} if config.moe_metrics else {name: False for name in CALLBACK_FIELDS}
   with user_errors():
-    return moe_hk.MoEConfig(**config.moe, emb_dim=config.emb_dim, dtype=config.dtype,
+    return moe_hk.MoEConfig(**{**config.moe, **callbacks}, emb_dim=config.emb_dim,
+                            dtype=config.dtype,
                             record_traffic=config.traffic.record)
 
 

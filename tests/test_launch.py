@@ -297,7 +297,6 @@ def test_step_mode_matches_layer_fallback(baseline, tmp_path):
   step_mode = trainer.train_and_evaluate(settings_of(mode("step")), str(tmp_path / "step"))
   # The 'none' run also shows `moe_metrics=False`: training scalars only, nothing of the MoE's.
   quiet_config = mode("none", moe_metrics=False)
-  quiet_config.moe.emit_fallback_events = False
   capped = trainer.train_and_evaluate(settings_of(quiet_config), str(tmp_path / "none"))
   quiet = read_scalars(str(tmp_path / "none"))
   np.testing.assert_allclose([quiet["train/loss"][s] for s in range(8)], capped, rtol=1e-6)
@@ -586,16 +585,20 @@ def test_config_moe_keys_are_the_layer_fields():
   assert (built.emb_dim, built.dtype, built.record_traffic) == (c.emb_dim, c.dtype, False)
 
 
-def test_moe_metrics_off_with_a_layer_callback_on_is_an_error():
-  """`moe_metrics=False` never overrides the layer's fields: a callback left on is named."""
+def test_moe_metrics_off_turns_the_layers_callbacks_off_and_says_so():
+  """`moe_metrics=False` alone is a run without MoE telemetry: the layer's host callbacks,
+  which only feed it, are off too, and the console says what the run does not record."""
+  on = settings_of(tiny_config()).layer
+  assert on.emit_fallback_events and not on.stream_step_stats  # the config file's values
   c = tiny_config(moe_metrics=False)
-  with pytest.raises(UserError, match=r"config\.moe_metrics=False turns the MoE telemetry "
-                                      r"off but config\.moe\.emit_fallback_events=True would "
-                                      r"still call back to the host: set it False as well\."):
-    settings_of(c)
-  c.moe.emit_fallback_events = False
+  c.moe.stream_step_stats = True
   off = settings_of(c).layer
   assert not off.stream_step_stats and not off.emit_fallback_events
+  c.traffic.record = False
+  lines = trainer.not_recorded(c)
+  assert len(lines) == 2 and lines[0].startswith("MoE telemetry off (config.moe_metrics=False)")
+  assert lines[1].startswith("traffic recording off (config.traffic.record=False)")
+  assert trainer.not_recorded(tiny_config()) == []
 
 
 def _autopilot_config():

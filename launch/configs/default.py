@@ -132,7 +132,7 @@ def _telemetry(c: ml_collections.ConfigDict) -> None:
       max_fallback_frequency=0.5, memory_budget_gib=0.0, window=100, min_steps=20,
       max_programs=8, wait=False))
   # MoE telemetry (TensorBoard tags, alerts); the training scalars are written either way.
-  # False needs the layer's callbacks off too (moe.emit_fallback_events, moe.stream_step_stats).
+  # False turns the layer's callbacks off too (moe.emit_fallback_events, moe.stream_step_stats).
   c.moe_metrics = True
 
 

@@ -28,6 +28,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh
 
 import moe_hk
+from launch import choices
 from launch.training import attention as attention_lib, positions
 from moe_hk import step_mode
 
@@ -113,7 +114,7 @@ def attention(x: jax.Array, c: ml_collections.ConfigDict, mesh: Mesh, rope: bool
   elif c.attn_temperature_tuning:
     scale = positions.temperature(s, c.floor_scale, c.attn_scale)
     q = (q * scale[None, :, None, None, None]).astype(q.dtype)
-  impl = attention_lib.resolve_impl(c.attention_impl, mesh.devices.flat[0].platform)
+  impl = choices.resolve_attention(c.attention_impl, mesh.devices.flat[0].platform)
   out = attention_lib.causal_attention(q, k, v, impl=impl, block=c.attention_block, mesh=mesh,
                                        chunk=c.attention_chunk_size if rope else 0)
   return checkpoint_name(dense(out.reshape(b, s, -1), x.shape[-1], "o"), "attention_out")
@@ -206,8 +207,10 @@ class Transformer(hk.Module):
     after = jnp.zeros((), bool) if self.moe_config.moe_dropless_fallback == "step" else None
     (x, _), stats = hk.layer_stack(num_groups, with_per_layer_inputs=True, name="groups")(
         group)((x, after), jnp.arange(num_groups, dtype=jnp.int32))
-    # [groups, m, ...] -> [MoE blocks, ...], in the order of the layers.
-    stats = jax.tree.map(lambda s: s.reshape(-1, *s.shape[2:]), stats)
+    # [groups, m, ...] -> [MoE blocks, ...], in the order of the layers. The leading size is
+    # spelled out: a field the run does not record is empty (traffic without
+    # `record_traffic`: `[groups, m, 0, E]`), and -1 cannot be inferred from zero elements.
+    stats = jax.tree.map(lambda s: s.reshape(s.shape[0] * s.shape[1], *s.shape[2:]), stats)
     if step is not None and self.emit_fallback_events:
       moe_hk.events.emit_stacked_fallback_events(stats, step=jnp.asarray(step, jnp.int32),
                                                  process=jax.process_index())

@@ -166,6 +166,19 @@ def train_and_evaluate(settings: Settings, workdir: str, stop_after: int | None 
   return loop.totals.losses
 
 
+def not_recorded(config) -> list[str]:
+  """One console line for each record the run's switches leave out."""
+  lines = []
+  if not config.moe_metrics:
+    lines.append("MoE telemetry off (config.moe_metrics=False): no moe/ TensorBoard tags, "
+                 "overflow alerts or buffer-factor advice, and the MoE layers' host callbacks "
+                 "are off; the training scalars are still written.")
+  if not config.traffic.record:
+    lines.append("traffic recording off (config.traffic.record=False): no WORKDIR/traffic, so "
+                 "launch.capacity has nothing of this run to replay.")
+  return lines
+
+
 def _finish_checkpoint(run: Run, state) -> None:
   """Waits for the run's last checkpoint, saying on the console what it writes and, once
   written, how long the wait took (a large state's write outlasts the last step line)."""
@@ -201,6 +214,8 @@ def _train(run: Run, state, stop_after: int | None) -> Loop:
         workdir, worst_case_factor=worst, evidence=evidence, alerts=alerts, writer=writer,
         flush_on_sigterm=False) as moe_metrics:
       writer.write_hparams(flat_hparams(settings.config))
+      for text in not_recorded(settings.config):
+        run.console.line(text)
       pilot = _autopilot(run, evidence, alerts)
       parts = {"data": GetSetState(run.data), "moe_metrics": moe_metrics.aggregator,
                "alerts": alerts, **({} if pilot is None else {"autopilot": pilot})}
