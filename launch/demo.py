@@ -74,7 +74,7 @@ def main(argv):
     raise UserError(f"--skew={_SKEW.value}: must be a finite number.")
   config = _CONFIG.value
   platform.setup(settings_lib.cpu_devices(config))
-  settings = settings_lib.build(config, jax.device_count())
+  settings = settings_lib.build(config, jax.device_count(), platform=jax.devices()[0].platform)
   if not settings.layer.capped:
     raise UserError("config.moe.ragged_buffer_factor=-1 is the worst-case buffer: the demo "
                     "compares a capped buffer (> 0) with it.")

@@ -59,7 +59,7 @@ def main(argv):
     raise UserError("pass --input_ids=IN.npy with --output=OUT.npy, or --text=TEXT.")
   config = settings_lib.saved(_WORKDIR.value)
   platform.setup(settings_lib.cpu_devices(config))
-  settings = settings_lib.build(config, jax.device_count())
+  settings = settings_lib.build(config, jax.device_count(), platform=jax.devices()[0].platform)
   ids, pieces = _tokens(_WORKDIR.value, config.vocab_size)
   step, params = restoring.restore_params(settings, _WORKDIR.value, _STEP.value)
   mesh = moe_hk.make_mesh(**settings.mesh)

@@ -89,7 +89,9 @@ def main(argv):
   print(("" if processes == 1 else f"process {jax.process_index()}/{processes}: ") +
         platform.describe(), flush=True)
   try:
-    trainer.train_and_evaluate(settings_lib.build(config, jax.device_count()), _WORKDIR.value)
+    trainer.train_and_evaluate(
+        settings_lib.build(config, jax.device_count(), platform=jax.devices()[0].platform),
+        _WORKDIR.value)
   except jax.errors.JaxRuntimeError:
     if watchdog:  # a peer that died fails the collective before its heartbeat is missed
       watchdog.settle()

@@ -46,7 +46,13 @@ def mesh_platform(mesh: Mesh) -> str:
 
 def resolve_backends(config: MoEConfig, mesh: Mesh) -> Backends:
   """Concrete all-to-all and grouped-matmul backends for the mesh's platform."""
-  platform = mesh_platform(mesh)
+  return backends_on(config, mesh_platform(mesh))
+
+
+def backends_on(config: MoEConfig, platform: str) -> Backends:
+  """Concrete all-to-all and grouped-matmul backends on `platform` ('cpu', 'tpu', 'gpu');
+  a backend the platform cannot run is a ValueError naming it (a launcher checks this before
+  it traces anything)."""
   if config.a2a_impl == "native" and platform == "cpu":
     raise ValueError(
         "MoEConfig.a2a_impl='native' cannot run on a CPU mesh: XLA:CPU has no "

@@ -116,9 +116,12 @@ def tiny_config(**overrides) -> ml_collections.ConfigDict:
   return c
 
 
-def settings_of(config: ml_collections.ConfigDict, devices: int | None = None):
-  """`launch.settings.build` of `config` for this process's devices (or `devices`)."""
-  return settings.build(config, jax.device_count() if devices is None else devices)
+def settings_of(config: ml_collections.ConfigDict, devices: int | None = None,
+                platform: str | None = None):
+  """`launch.settings.build` of `config` for this process's devices (or `devices`), checked
+  for `platform` when given."""
+  return settings.build(config, jax.device_count() if devices is None else devices,
+                        platform=platform)
 
 
 # Config keys the compiled steps never read (the loop's intervals, the host's data source, the

@@ -15,6 +15,7 @@ from jax.sharding import NamedSharding
 
 import moe_hk
 from launch.compiling import topology
+from launch import choices
 from launch.training import attention
 from moe_hk import mesh as mesh_lib
 from launch.training.model import REMAT_POLICIES
@@ -124,7 +125,7 @@ def test_the_train_step_with_splash_runs_under_every_remat_policy(monkeypatch):
   interpret mode on the CPU mesh), its layer groups scanned and rematerialised under every
   policy: loss, gradient norm, updated parameters and eval loss equal the XLA form's. A
   kernel built inside the group's trace failed this with an UnexpectedTracerError."""
-  monkeypatch.setitem(attention._RUNS_ON, "splash", ("tpu", "cpu"))  # interpret mode here
+  monkeypatch.setitem(choices._RUNS_ON, "splash", ("tpu", "cpu"))  # interpret mode here
   batch = np.random.default_rng(0).integers(0, 256, (8, 129), np.int32)
 
   def one_step(impl: str, policy: str):
@@ -179,7 +180,7 @@ def test_splash_needs_a_sequence_multiple_of_128():
     ("splash", "tpu", "splash"), ("cudnn", "gpu", "cudnn"), ("cudnn", "cuda", "cudnn"),
 ])
 def test_resolve_impl(impl, platform, form):
-  assert attention.resolve_impl(impl, platform) == form
+  assert choices.resolve_attention(impl, platform) == form
 
 
 @pytest.mark.parametrize("impl,platform,valid", [
@@ -191,7 +192,7 @@ def test_resolve_impl(impl, platform, form):
 ])
 def test_resolve_impl_names_the_value_and_the_valid_choices(impl, platform, valid):
   with pytest.raises(ValueError) as error:
-    attention.resolve_impl(impl, platform)
+    choices.resolve_attention(impl, platform)
   message = str(error.value)
   assert message.startswith(f"config.attention_impl={impl!r}"), message
   assert str(valid) in message, message

@@ -63,6 +63,11 @@ def check_settings(section, layer, moe_metrics: bool = True) -> None:
   if not 1 <= section.min_steps <= section.window:
     raise ValueError(f"config.autopilot.min_steps={section.min_steps} must be in [1, "
                      f"config.autopilot.window={section.window}].")
+  # Checked with the autopilot off too: a value is checked where it is defined, whatever
+  # else the config says.
+  if section.objective not in OBJECTIVES:
+    raise ValueError(f"config.autopilot.objective={section.objective!r} is invalid: must be one "
+                     f"of {', '.join(map(repr, OBJECTIVES))}.")
   if not section.enabled:
     return
   if layer.moe_dropless_fallback == "none" or not layer.capped:
@@ -73,9 +78,6 @@ def check_settings(section, layer, moe_metrics: bool = True) -> None:
   if not moe_metrics:
     raise ValueError("config.autopilot.enabled=True needs config.moe_metrics=True: the "
                      "autopilot follows the factor rule on the MoE telemetry's evidence.")
-  if section.objective not in OBJECTIVES:
-    raise ValueError(f"config.autopilot.objective={section.objective!r} is invalid: must be one "
-                     f"of {', '.join(map(repr, OBJECTIVES))}.")
   if not 0 < section.target_fallback_frequency < 1:
     raise ValueError("config.autopilot.target_fallback_frequency="
                      f"{section.target_fallback_frequency} must be in (0, 1).")

@@ -3,7 +3,8 @@
 Shapes: B batch, S sequence, G key/value heads, R query heads per key/value head, Dh head dim.
 Every form takes `q [B, S, G, R, Dh]` and `k, v [B, S, G, Dh]` in the compute dtype, scales
 scores by 1/sqrt(Dh), takes the softmax in float32 and returns `[B, S, G, R, Dh]` in q's dtype.
-`causal_attention` picks the form named by `config.attention_impl` after `resolve_impl`.
+`causal_attention` runs the form `launch.choices.resolve_attention` names for
+`config.attention_impl` on the platform.
 """
 from __future__ import annotations
 
@@ -18,39 +19,11 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from launch.choices import ATTENTION_IMPLS
 
-# The form 'auto' picks per platform (any other platform gets 'xla'), and where the two kernel
-# forms can run at all.
-_AUTO = {"tpu": "splash", "gpu": "cudnn", "cuda": "cudnn"}
-_RUNS_ON = {"splash": ("tpu",), "cudnn": ("gpu", "cuda")}
-
 # Splash tile sizes, tried largest first: the largest that divides S is used for every query
 # and key/value tile of the forward, dq and dkv kernels. 512 is MaxText's default for long
 # sequences (fewer grid steps, still small in VMEM: a [512, 512] float32 score tile is 1 MiB);
 # 128 is the floor, since the kernel computes key/value tiles a multiple of 128 lanes wide.
 _SPLASH_BLOCKS = (512, 256, 128)
-
-
-def resolve_impl(impl: str, platform: str) -> str:
-  """The attention form for `config.attention_impl` on `platform` ('cpu', 'tpu', 'gpu'/'cuda').
-
-  'auto' is 'splash' on TPU, 'cudnn' on GPU and 'xla' elsewhere; a kernel form asked for
-  off its platform, or an unknown name, is a ValueError.
-  """
-  if impl not in ATTENTION_IMPLS:
-    raise ValueError(f"config.attention_impl={impl!r} is not one of {ATTENTION_IMPLS}.")
-  if impl == "auto":
-    return _AUTO.get(platform, "xla")
-  valid = _valid_on(platform)
-  if impl not in valid:
-    raise ValueError(
-        f"config.attention_impl={impl!r} runs only on {'/'.join(_RUNS_ON[impl])}, not on "
-        f"platform {platform!r}; valid choices there: {valid}.")
-  return impl
-
-
-def _valid_on(platform: str) -> tuple[str, ...]:
-  """The names of ATTENTION_IMPLS that can run on `platform`."""
-  return tuple(i for i in ATTENTION_IMPLS if i not in _RUNS_ON or platform in _RUNS_ON[i])
 
 
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, impl: str, block: int,
@@ -77,7 +50,7 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, impl: str, blo
                        "'splash' forms, not 'cudnn'.")
     return cudnn_attention(q, k, v)
   raise ValueError(f"causal_attention(impl={impl!r}): expected a resolved form, one of "
-                   f"{ATTENTION_IMPLS[1:]} (see resolve_impl).")
+                   f"{ATTENTION_IMPLS[1:]} (see launch.choices.resolve_attention).")
 
 
 def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array, block: int, chunk: int = 0
