@@ -19,6 +19,14 @@ from launch.configs import tiny
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = "launch/configs/tiny.py"
+# config.json files as their authors published them (its README.md says where each came from).
+PUBLISHED = os.path.join(ROOT, "tests", "fixtures", "hf", "published")
+
+
+def published(name: str) -> dict:
+  """The published config.json `name` (its file name in PUBLISHED without .json)."""
+  with open(os.path.join(PUBLISHED, f"{name}.json")) as f:
+    return json.load(f)
 
 
 def free_port() -> int:

@@ -2,10 +2,11 @@
 
 `model_keys` reads the shapes and semantics of a supported family's config and refuses, in one
 line naming the field and its value, anything the model does not implement: a sliding window,
-RoPE scaling, biases, another activation, dense layers between MoE ones, a field it does not
-know. The RoPE base is read from `rope_parameters` (transformers 5) or the top level
-(transformers 4), which must agree when both are there; the expert count from
-`num_experts` or `num_local_experts` likewise.
+RoPE scaling, biases, another activation, dense layers between MoE ones, a field its family's
+reader does not read that is not in BOOKKEEPING (the fields known not to change the model). The
+RoPE base is read from `rope_parameters` (transformers 5) or the top level (transformers 4),
+which must agree when both are there; the expert count from `num_experts` or
+`num_local_experts` likewise.
 """
 from __future__ import annotations
 
@@ -19,19 +20,28 @@ from launch.hf.family import Family
 
 FAMILIES = {f.model_type: f for f in (mixtral.FAMILY, qwen3_moe.FAMILY, llama4.TEXT,
                                       llama4.MULTIMODAL)}
-# Fields that do not change what the model computes (token ids, training-only settings,
-# bookkeeping), or that `model_keys` reads and checks itself.
-_KNOWN = {
+# Fields known not to change what the model computes, in every family: the file's and
+# transformers' bookkeeping (the model type, which `family_of` reads; versions, dtypes, the
+# attention backend transformers picked, the cache generation uses), token ids, training-only
+# settings, the context length (a RoPE scaling is read from rope_scaling) and a flag of Llama 4's
+# release that transformers does not read (`for_llm_compressor`). Any other field is read by the
+# family's `model_keys` or refused.
+BOOKKEEPING = {
     "architectures", "model_type", "transformers_version", "dtype", "torch_dtype",
-    "bos_token_id", "eos_token_id", "pad_token_id", "initializer_range", "use_cache",
-    "output_router_logits", "router_aux_loss_coef", "attention_dropout",
-    "max_position_embeddings", "max_window_layers", "vocab_size", "hidden_size",
-    "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
-    "intermediate_size", "moe_intermediate_size", "num_experts", "num_local_experts",
-    "num_experts_per_tok", "norm_topk_prob", "rms_norm_eps", "rope_theta", "rope_parameters",
-    "rope_scaling", "tie_word_embeddings", "hidden_act", "sliding_window",
-    "use_sliding_window", "attention_bias", "router_jitter_noise", "decoder_sparse_step",
-    "mlp_only_layers", "layer_types",
+    "_attn_implementation_autoset", "cache_implementation", "use_cache", "bos_token_id",
+    "eos_token_id", "pad_token_id", "initializer_range", "output_router_logits",
+    "router_aux_loss_coef", "attention_dropout", "max_position_embeddings",
+    "for_llm_compressor",
+}
+# Fields of Mixtral and Qwen3-MoE that `model_keys` reads and checks (`max_window_layers` says
+# which layers a sliding window covers: checked through `use_sliding_window`, required false).
+_READ = {
+    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "intermediate_size", "moe_intermediate_size",
+    "num_experts", "num_local_experts", "num_experts_per_tok", "norm_topk_prob", "rms_norm_eps",
+    "rope_theta", "rope_parameters", "rope_scaling", "tie_word_embeddings", "hidden_act",
+    "sliding_window", "use_sliding_window", "max_window_layers", "attention_bias",
+    "router_jitter_noise", "decoder_sparse_step", "mlp_only_layers", "layer_types",
 }
 # field -> the values the model implements (what published checkpoints of the families hold).
 _REQUIRED = {
@@ -51,8 +61,14 @@ def read(folder: str) -> dict[str, Any]:
     return json.load(f)
 
 
+def _shown(value: Any) -> str:
+  """`value` as JSON, cut to 100 characters (a quantization scheme would fill the screen)."""
+  text = json.dumps(value)
+  return text if len(text) <= 100 else text[:97] + "..."
+
+
 def _refuse(field: str, value: Any, why: str) -> None:
-  raise UserError(f"config.json {field}={json.dumps(value)}: {why}; launch.convert does not "
+  raise UserError(f"config.json {field}={_shown(value)}: {why}; launch.convert does not "
                   "convert this checkpoint.")
 
 
@@ -81,11 +97,18 @@ def _one(hf: dict[str, Any], field: str, *where: tuple[str, ...]) -> Any:
   return next(iter(found.values()))
 
 
+def _known(hf: dict[str, Any], read: set[str]) -> None:
+  """Refuses a field of `hf` that is neither in `read` (the fields its reader reads) nor in
+  BOOKKEEPING."""
+  for field, value in hf.items():
+    if field not in read and field not in BOOKKEEPING:
+      _refuse(field, value, "a field launch.convert does not know (it may change the model)")
+
+
 def _check(hf: dict[str, Any]) -> None:
   """Refuses a field the converter does not know, or a value the model does not implement."""
+  _known(hf, _READ)
   for field, value in hf.items():
-    if field not in _KNOWN:
-      _refuse(field, value, "a field launch.convert does not know (it may change the model)")
     if field in _REQUIRED and value not in _REQUIRED[field]:
       _refuse(field, value, f"implemented: {' or '.join(map(json.dumps, _REQUIRED[field]))}")
   if hf.get("sliding_window") is not None and hf.get("use_sliding_window", True):
@@ -103,9 +126,7 @@ def text_config(hf: dict[str, Any]) -> dict[str, Any]:
   fields checked known: the vision tower is not converted)."""
   if family_of(hf) is not llama4.MULTIMODAL:
     return hf
-  for field, value in hf.items():
-    if field not in llama4_config.MULTIMODAL_KNOWN:
-      _refuse(field, value, "a field launch.convert does not know (it may change the model)")
+  _known(hf, llama4_config.MULTIMODAL_READ)
   return hf["text_config"]
 
 
@@ -113,7 +134,9 @@ def model_keys(hf: dict[str, Any]) -> dict[str, Any]:
   """The launcher's config keys (dotted) for a checkpoint of config `hf`."""
   family = family_of(hf)
   if isinstance(family, llama4.Llama4Family):
-    return llama4_config.model_keys(text_config(hf), _refuse)
+    text = text_config(hf)
+    _known(text, llama4_config.READ)
+    return llama4_config.model_keys(text, _refuse)
   _check(hf)
   for field in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                 "intermediate_size", "num_experts_per_tok", "rms_norm_eps",

@@ -9,26 +9,23 @@ from __future__ import annotations
 import json
 from typing import Any, Callable
 
-# Fields of a Llama 4 text config that `model_keys` reads or that do not change what the model
-# computes.
-KNOWN = {
-    "architectures", "model_type", "transformers_version", "dtype", "torch_dtype",
-    "bos_token_id", "eos_token_id", "pad_token_id", "initializer_range", "use_cache",
-    "output_router_logits", "router_aux_loss_coef", "router_jitter_noise", "attention_dropout",
-    "max_position_embeddings", "vocab_size", "hidden_size", "num_hidden_layers",
-    "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
-    "intermediate_size_mlp", "num_local_experts", "num_experts_per_tok", "rms_norm_eps",
-    "rope_theta", "rope_parameters", "rope_scaling", "tie_word_embeddings", "hidden_act",
-    "attention_bias", "moe_layers", "interleave_moe_layer_step", "use_qk_norm",
-    "no_rope_layers", "no_rope_layer_interval", "attention_chunk_size", "layer_types",
+# Fields of a Llama 4 text config that `model_keys` reads and checks (`hf_config.BOOKKEEPING`
+# holds those known not to change the model; any other is refused).
+READ = {
+    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "intermediate_size", "intermediate_size_mlp",
+    "num_local_experts", "num_experts_per_tok", "rms_norm_eps", "rope_theta", "rope_parameters",
+    "rope_scaling", "tie_word_embeddings", "hidden_act", "attention_bias", "router_jitter_noise",
+    "moe_layers", "interleave_moe_layer_step", "use_qk_norm", "no_rope_layers",
+    "no_rope_layer_interval", "nope_layer_interval", "attention_chunk_size", "layer_types",
     "attn_temperature_tuning", "floor_scale", "attn_scale",
 }
 _REQUIRED = {"tie_word_embeddings": (False,), "hidden_act": ("silu",), "attention_bias": (False,),
              "router_jitter_noise": (0, 0.0)}
-# Multimodal fields beside text_config: the vision tower's and its tokens', not converted.
-MULTIMODAL_KNOWN = {"architectures", "model_type", "transformers_version", "dtype",
-                    "torch_dtype", "text_config", "vision_config", "boi_token_index",
-                    "eoi_token_index", "image_token_index", "tie_word_embeddings"}
+# The multimodal config's fields beside the bookkeeping: text_config, which `model_keys` reads,
+# and the vision tower's and its tokens', which do not change the language model (not converted).
+MULTIMODAL_READ = {"text_config", "vision_config", "boi_token_index", "eoi_token_index",
+                   "image_token_index", "tie_word_embeddings"}
 
 
 def _pattern(hf: dict, refuse: Callable) -> tuple[int, int]:
@@ -41,6 +38,9 @@ def _pattern(hf: dict, refuse: Callable) -> tuple[int, int]:
     refuse("moe_layers", moe, f"implemented: every k-th layer MoE (here k = {step}: "
            f"{list(range(step - 1, layers, step))})")
   interval = hf.get("no_rope_layer_interval", 4)
+  if hf.get("nope_layer_interval", interval) != interval:
+    refuse("nope_layer_interval", hf["nope_layer_interval"], "implemented: the interval "
+           f"no_rope_layer_interval gives, which transformers reads ({interval})")
   default = [int((i + 1) % interval != 0) for i in range(layers)]
   rope = hf.get("no_rope_layers") or default
   if list(rope) != default and any(not r for r in rope):
@@ -74,8 +74,6 @@ def model_keys(hf: dict, refuse: Callable) -> dict[str, Any]:
   """The launcher's config keys (dotted) for a Llama 4 text config `hf`; `refuse(field, value,
   why)` raises the converter's one-line error."""
   for field, value in hf.items():
-    if field not in KNOWN:
-      refuse(field, value, "a field launch.convert does not know (it may change the model)")
     if field in _REQUIRED and value not in _REQUIRED[field]:
       refuse(field, value, f"implemented: {' or '.join(map(json.dumps, _REQUIRED[field]))}")
   moe_every, nope_every = _pattern(hf, refuse)
