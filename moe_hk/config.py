@@ -175,9 +175,26 @@ class MoEConfig:
     return jnp.dtype(self.dtype)
 
   @property
+  def falls_back(self) -> bool:
+    """Whether an overflow runs the layer dropless (`moe_dropless_fallback` 'layer' or
+    'step') rather than dropping rows ('none')."""
+    return self.moe_dropless_fallback != "none"
+
+  @property
+  def layer_fallback(self) -> bool:
+    """'layer': an overflowing layer alone reruns dropless, in chunks."""
+    return self.moe_dropless_fallback == "layer"
+
+  @property
+  def step_fallback(self) -> bool:
+    """'step': from the first overflowing layer on, every MoE layer of the step runs
+    dropless (`moe_hk.step_mode`)."""
+    return self.moe_dropless_fallback == "step"
+
+  @property
   def capped(self) -> bool:
     """True when the receive buffer is smaller than the worst case can be."""
-    return self.ragged_buffer_factor != -1
+    return self.ragged_buffer_factor != WORST_CASE
 
   def replace(self, **changes) -> "MoEConfig":
     return dataclasses.replace(self, **changes)

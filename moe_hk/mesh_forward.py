@@ -167,7 +167,7 @@ def forward_after_check(params: MoEParams, x: jax.Array, *, config: MoEConfig, m
   """`moe_forward` once `moe_hk.mesh.check_layer` passed for this mesh and input (`MoELayer`
   checks before it creates its parameters, then calls this); `call` holds the rest of
   `moe_forward`'s arguments."""
-  step_mode = config.moe_dropless_fallback == "step"
+  step_mode = config.step_fallback
   if call.after_overflow is not None and not step_mode:
     raise ValueError("after_overflow is only for moe_dropless_fallback='step', not "
                      f"{config.moe_dropless_fallback!r}.")

@@ -154,7 +154,7 @@ def exchange_or_fall_back(x: jax.Array, route: routing_lib.Routing, experts: Exp
   if not builds_fallback(config, shards=s.shards, tokens=s.tokens):
     return Ran(paths.buffer(s.capped_rows)(operands, ids), zero, checked.would_drop, zero)
   capped, last = paths.buffer(s.capped_rows), _fixed_rung(config, s)
-  if config.moe_dropless_fallback == "layer" and config.dropless_fallback_chunking == "adaptive":
+  if config.layer_fallback and config.dropless_fallback_chunking == "adaptive":
     rungs = fallback.traffic_ladder(seq=s.seq, capped_rows=s.capped_rows,
                                     worst_rows=s.worst_rows, max_chunks=last.chunks)
     index = adaptive_rung(ids, rungs, s.capped_rows, config=config, mesh_axes=mesh_axes)
@@ -213,7 +213,7 @@ def builds_fallback(config: MoEConfig, *, shards: int, tokens: int) -> bool:
   shard over `shards` expert shards. With the worst-case buffer nothing can overflow, so no
   cond is built and the fallback costs nothing."""
   k, local = config.num_experts_per_tok, config.num_experts // shards
-  return config.moe_dropless_fallback != "none" and (
+  return config.falls_back and (
       buffer_size.buffer_rows(shards, tokens, k, local, config.ragged_buffer_factor)
       < buffer_size.worst_case_rows(shards, tokens, k, local))
 

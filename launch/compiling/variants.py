@@ -32,10 +32,12 @@ GIB = 1024 ** 3
 def trained_variant(layer: moe_hk.MoEConfig) -> str:
   """The variant `layer` trains as (what `launch.train` runs with it): `variant_layer` of it
   is `layer` itself."""
-  if layer.ragged_buffer_factor < 0:
+  if not layer.capped:
     return "worst_case"
-  if layer.moe_dropless_fallback in ("none", "step"):
-    return {"none": "capped", "step": "step"}[layer.moe_dropless_fallback]
+  if not layer.falls_back:
+    return "capped"
+  if layer.step_fallback:
+    return "step"
   return "fallback_adaptive" if layer.dropless_fallback_chunking == "adaptive" else "fallback_scan"
 
 

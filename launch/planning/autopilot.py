@@ -70,7 +70,7 @@ def check_settings(section, layer, moe_metrics: bool = True) -> None:
                      f"of {', '.join(map(repr, OBJECTIVES))}.")
   if not section.enabled:
     return
-  if layer.moe_dropless_fallback == "none" or not layer.capped:
+  if not layer.falls_back or not layer.capped:
     raise ValueError(
         "config.autopilot.enabled=True needs a capped buffer (ragged_buffer_factor > 0) and a "
         "fallback (config.moe.moe_dropless_fallback 'layer' or 'step', not "

@@ -204,7 +204,7 @@ class Transformer(hk.Module):
     if policy is not None:
       group = hk.remat(group, policy=policy)
     num_groups = c.num_layers // layer_period(c)
-    after = jnp.zeros((), bool) if self.moe_config.moe_dropless_fallback == "step" else None
+    after = jnp.zeros((), bool) if self.moe_config.step_fallback else None
     (x, _), stats = hk.layer_stack(num_groups, with_per_layer_inputs=True, name="groups")(
         group)((x, after), jnp.arange(num_groups, dtype=jnp.int32))
     # [groups, m, ...] -> [MoE blocks, ...], in the order of the layers. The leading size is

@@ -156,7 +156,7 @@ def make_steps(settings: Settings, mesh: Mesh) -> Steps:
   shapes = jax.eval_shape(init, jax.random.key(0))
   state_sharding = sharding.state_shardings(shapes, mesh, layer_config, tx)
   train_step = _train_step(model, config, tx, schedule,
-                           step_mode=layer_config.moe_dropless_fallback == "step")
+                           step_mode=layer_config.step_fallback)
   eval_loss = jax.jit(lambda params, batch: loss_fn(model, config, params, batch, None)[1][0],
                       in_shardings=(state_sharding.params, batch_sharding))
   train = jax.jit(train_step, in_shardings=(state_sharding, batch_sharding),
