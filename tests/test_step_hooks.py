@@ -110,7 +110,8 @@ def test_spike_and_step_mode_fields():
 def test_how_a_fetchs_time_may_be_read():
   """The first fetch compiled the step: not timed. Then timed and clean, unless something
   else happened in it (an eval, a checkpoint: `disturbed`), a background compile was under
-  way or started, even by a consumer of its own steps, or a stop cut it short."""
+  way (at either end, or at both: one still compiling across fetches) or started, even by a
+  consumer of its own steps, or a stop cut it short."""
   reporter, log, compiles = _reporter("only")
   def fetch(**kwargs):
     reporter.flush([_pending(len(log))], **kwargs)
@@ -124,6 +125,7 @@ def test_how_a_fetchs_time_may_be_read():
   assert fetch().clean
   compiles.busy = True
   assert not fetch().clean
+  assert not fetch().clean  # still under way: the same compile at both ends
   compiles.busy = False
   assert not fetch().clean  # it was under way at the fetch's start
   assert fetch().clean
