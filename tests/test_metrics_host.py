@@ -2,6 +2,7 @@
 import glob
 import json
 import random
+import re
 import sys
 import threading
 
@@ -430,12 +431,45 @@ def test_expert_load_heatmap_has_its_axes_and_a_colour_scale():
   assert len(set(bar)) > 100 and bar == sorted(bar, reverse=True), len(set(bar))
 
 
+def test_expert_load_heatmap_puts_layers_down_and_experts_across():
+  """Each cell of `moe/expert_load` at its place: a layer's experts left to right, the layers
+  top to bottom. Layer 0's eight experts have eight loads (0 to 2x the fair share, eight
+  colours), layer 1's are all fair; each colour's pixels (the cell's block, and a sliver of the
+  colour bar's) sit at that cell's column and row, read at their median."""
+  import matplotlib
+  import tensorflow as tf
+  load = np.array([np.arange(8) * 2, np.full(8, 5)])  # layer 0 / its fair share 7: 0 .. 2
+  image = tf.io.decode_png(expert_load.render(load, 0, 0)).numpy()[..., :3]
+  cmap = matplotlib.colormaps[expert_load.COLORMAP]
+
+  def place(value):
+    """(median x, median y) of the pixels in `value`'s colour (value in fair shares)."""
+    rgb = np.asarray(cmap(value / expert_load.LOAD_RANGE[1], bytes=True)[:3])
+    ys, xs = np.nonzero(np.all(image == rgb, axis=-1))
+    assert len(xs), value
+    return np.median(xs), np.median(ys)
+
+  experts = [place(v) for v in expert_load.relative_load(load)[0]]
+  fair = place(1.0)
+  xs, ys = zip(*experts)
+  assert np.all(np.diff(xs) > 0) and max(ys) - min(ys) <= 1, experts  # one row, left to right
+  assert fair[1] > max(ys), (fair, experts)  # layer 1's row below layer 0's
+
+
+def _summary_values(folder) -> list:
+  """Every summary value of the one event file in `folder`, in the order written."""
+  from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+  (path,) = glob.glob(f"{folder}/events.out.tfevents.*")
+  return [v for e in EventFileLoader(path).Load() for v in e.summary.value]
+
+
 def test_the_factor_story_leads_the_custom_scalars_layout(tmp_path):
   """The run's event file holds TensorBoard's custom-scalars layout: first the buffer-factor
   chart, whose one tag is written in three runs (in force, required, recommended), so three
-  lines in three colours, each named by its run; then the fallback frequency and the fallback
-  layers, each on its own axes. Each tag's first point carries its description."""
-  from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+  lines in three colours, each named by its run; then the fallback frequency, the fallback
+  layers and the dropped rows, each on its own axes; last the required factor of every MoE
+  layer (their tags, not the layers' maximum). Each tag's first point carries its description,
+  in the run and in each series' run (TensorBoard shows the chart's tag described by them)."""
   from tensorboard.plugins.custom_scalar import layout_pb2
   writer = MoEMetricsWriter(str(tmp_path), asynchronous=False)
   for step in range(3):
@@ -443,17 +477,27 @@ def test_the_factor_story_leads_the_custom_scalars_layout(tmp_path):
                                 tags.REQUIRED_FACTOR_TAG: 1.5 + step,
                                 tags.RECOMMENDED_FACTOR_TAG: 3.5, tags.FREQUENCY_TAG: 0.5})
   writer.close()
-  (path,) = glob.glob(f"{tmp_path}/events.out.tfevents.*")
-  values = [v for e in EventFileLoader(path).Load() for v in e.summary.value]
+  values = _summary_values(tmp_path)
   [config] = [v for v in values if v.tag == "custom_scalars__config__"]
-  layout = layout_pb2.Layout.FromString(config.tensor.string_val[0])
-  factor, frequency, layers = layout.category[0].chart[:3]
-  assert list(factor.multiline.tag) == [f"^{tags.FACTOR_SERIES_TAG}$"]
-  assert list(frequency.multiline.tag) == [f"^{tags.FREQUENCY_TAG}$"]
-  assert list(layers.multiline.tag) == [f"^{tags.FALLBACK_LAYERS_TAG}$"]
+  [category] = layout_pb2.Layout.FromString(config.tensor.string_val[0]).category
+  assert [list(chart.multiline.tag) for chart in category.chart] == [
+      ["^moe/buffer_factor$"], ["^moe/fallback_frequency$"],
+      ["^learning/moe_dropless_fallback_layers$"], ["^moe/dropped_rows_fraction$"],
+      [r"^moe/required_ragged_buffer_factor/layer_\d+$"]]
+  [per_layer] = category.chart[-1].multiline.tag
+  run_tags = ["moe/required_ragged_buffer_factor", "moe/required_ragged_buffer_factor/layer_0",
+              "moe/required_ragged_buffer_factor/layer_11", "moe/load_max_over_mean/layer_0"]
+  assert [t for t in run_tags if re.search(per_layer, t)] == [
+      "moe/required_ragged_buffer_factor/layer_0", "moe/required_ragged_buffer_factor/layer_11"]
   described = [v.tag for v in values if v.metadata.summary_description]
   assert sorted(described) == sorted([tags.FACTOR_IN_FORCE_TAG, tags.REQUIRED_FACTOR_TAG,
                                       tags.RECOMMENDED_FACTOR_TAG, tags.FREQUENCY_TAG])
+  for name in tags.FACTOR_SERIES:
+    noted = [(v.tag, v.metadata.summary_description) for v in _summary_values(tmp_path / name)
+             if v.metadata.summary_description]
+    assert [tag for tag, _ in noted] == [tags.FACTOR_SERIES_TAG] and all(
+        series in noted[0][1] for series in ("in force", "required", "recommended")), (
+            name, noted)
   series = {name: read_scalars(str(tmp_path / name))[tags.FACTOR_SERIES_TAG]
             for name in tags.FACTOR_SERIES}
   assert series == {"buffer_factor/in_force": {0: 2.0, 1: 2.0, 2: 2.0},

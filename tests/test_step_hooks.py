@@ -1,15 +1,20 @@
 """The trainer's finished steps as records (`launch.training.step_record`), handed by the
 `Reporter` to every consumer registered in `Hooks`, in order, each step before the fetch; how a
-fetch's time may be read; the `Totals` consumer. Host-only: fake fetched outputs, no compile."""
+fetch's time may be read; the `Totals` consumer; the trainer's own consumers and their order.
+Host-only: fake fetched outputs, no compile."""
+import types
+
 import numpy as np
 import pytest
 
-from launch.training import step_consumers
+from launch.training import console as console_lib, step_consumers, trainer
+from launch.training.loop import Run
 from launch.training.reporter import Pending, Reporter
 from launch.training.step_hooks import Hook, Hooks
 from moe_hk.stats import MoEStats
+from tests.helpers import settings_of, tiny_config
 
-LAYERS, EXPERTS = 2, 4
+LAYERS, EXPERTS = 2, 8  # the tiny config's (the trainer's traffic recording checks them)
 
 
 def _stats(fallback=(0, 0), dropped=(0, 0)) -> MoEStats:
@@ -105,7 +110,8 @@ def test_spike_and_step_mode_fields():
 def test_how_a_fetchs_time_may_be_read():
   """The first fetch compiled the step: not timed. Then timed and clean, unless something
   else happened in it (an eval, a checkpoint: `disturbed`), a background compile was under
-  way or started, even by a consumer of its own steps, or a stop cut it short."""
+  way (at either end, or at both: one still compiling across fetches) or started, even by a
+  consumer of its own steps, or a stop cut it short."""
   reporter, log, compiles = _reporter("only")
   def fetch(**kwargs):
     reporter.flush([_pending(len(log))], **kwargs)
@@ -119,6 +125,7 @@ def test_how_a_fetchs_time_may_be_read():
   assert fetch().clean
   compiles.busy = True
   assert not fetch().clean
+  assert not fetch().clean  # still under way: the same compile at both ends
   compiles.busy = False
   assert not fetch().clean  # it was under way at the fetch's start
   assert fetch().clean
@@ -151,3 +158,101 @@ def test_totals_count_the_run():
   assert totals.losses == [2.0, 3.0, 4.0, 5.0]
   reporter.flush([_pending(4, skipped=True), _pending(5, spike=True)])
   assert totals.consecutive_skipped == 2
+
+
+class _World:
+  """What the trainer's consumers act on, faked: the event writer (`write_scalars`, `flush`),
+  the MoE telemetry (`report_step`, `write_expert_load`, its `alerts`' `send`), the evidence
+  (`add_interval`) and the autopilot (`step_finished`). Each call goes into `log`, in order."""
+
+  def __init__(self, log: list):
+    self.log, self.alerts = log, self
+
+  def write_scalars(self, step, scalars):
+    self.log.append(("scalars", step, dict(scalars)))
+
+  def flush(self, wait=True):
+    self.log.append(("flush",))
+
+  def report_step(self, step, stats, dropless_steps=None):
+    self.log.append(("moe step", step))
+
+  def write_expert_load(self, step):
+    self.log.append(("expert load", step))
+
+  def send(self, alert, limited=True):
+    self.log.append(("alert", alert.rule, alert.step))
+
+  def add_interval(self, factor, steps, seconds):
+    self.log.append(("priced", factor, steps))
+
+  def step_finished(self, steps_left):
+    self.log.append(("autopilot", steps_left))
+
+
+class _Terminal:
+  """The console's stream: each line it prints goes into `log`."""
+
+  def __init__(self, log: list):
+    self.log = log
+
+  def write(self, text):
+    if text != "\n":
+      self.log.append(("console", text))
+
+  def flush(self):
+    pass
+
+
+def _trainer_hooks(workdir, config, log: list, *, pilot: bool) -> Hooks:
+  """`trainer._hooks` of a run of `config` in `workdir`, acting on `_World(log)` (the autopilot
+  too when `pilot`), its console printing into `log`."""
+  settings = settings_of(config)
+  world = _World(log)
+  data = types.SimpleNamespace(position=lambda step: {"step": step})
+  console = console_lib.Console(config.train_steps, stream=_Terminal(log))
+  run = Run(settings, str(workdir), mesh=None, data=data, steps=None, console=console,
+            checkpoints=None, restored=None)
+  state = types.SimpleNamespace(params={})  # no parameters: the MFU is not the subject here
+  return trainer._hooks(run, step_consumers.Totals(), world, world, world,
+                        world if pilot else None, state)
+
+
+def test_the_trainers_consumers_in_their_order(tmp_path):
+  """`trainer._hooks` registers the consumers docs/design.md lists, in that order (the next
+  test shows what the order does); the MoE telemetry, the autopilot and the traffic recording
+  only when they are on."""
+  every = _trainer_hooks(tmp_path / "every", tiny_config(), [], pilot=True)
+  assert every.names() == ["totals", "moe_telemetry", "train_scalars", "skip_alerts",
+                           "autopilot", "interval_timings", "traffic", "flush_writer",
+                           "progress"]
+  config = tiny_config(moe_metrics=False)
+  config.moe.emit_fallback_events = config.traffic.record = False
+  fewest = _trainer_hooks(tmp_path / "fewest", config, [], pilot=False)
+  assert fewest.names() == ["totals", "train_scalars", "skip_alerts", "interval_timings",
+                            "flush_writer", "progress"]
+
+
+def test_what_the_trainers_consumers_do_in_order(tmp_path):
+  """One clean fetch of a skipped step and a good one through the trainer's own consumers:
+  the scalars count the skipped step at that step (the totals ran before them); each step's
+  MoE telemetry (its evidence, its overflow alerts) comes before its skip alert and before the
+  autopilot decides on it; the writer's flush comes after the fetch's last write (its
+  expert-load image, its rates) and the console's line after everything."""
+  log = []
+  config = tiny_config()
+  hooks = _trainer_hooks(tmp_path, config, log, pilot=True)
+  reporter = Reporter(hooks, lambda: (0, False))
+  reporter.flush([_pending(0)])  # compiles: not timed
+  del log[:]
+  reporter.flush([_pending(1, skipped=True), _pending(2)])
+  scalars = [(entry[1], entry[2].get("train/skipped_steps")) for entry in log
+             if entry[0] == "scalars"]
+  assert scalars == [(1, 1), (2, 1), (2, None)], log  # (2, None): the fetch's rates
+  steps = config.train_steps  # the autopilot hears the steps left after each
+  shown = {"scalars": 2, "console": 1}  # the entries' fields compared here (the rest above)
+  assert [entry[:shown.get(entry[0])] for entry in log] == [
+      ("moe step", 1), ("scalars", 1), ("alert", "nonfinite_step", 1), ("autopilot", steps - 2),
+      ("moe step", 2), ("scalars", 2), ("autopilot", steps - 3),
+      ("expert load", 2), ("scalars", 2), ("priced", 1.5, 2), ("flush",), ("console",)], log
+  assert log[-1][1].startswith(f"step 2 (3/{steps}) | loss 4 | "), log[-1]
