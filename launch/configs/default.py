@@ -31,8 +31,8 @@ def _model(c: ml_collections.ConfigDict) -> None:
   # untied [V, D] output projection (True: the input embedding is the output projection); the
   # RoPE base (rotate-half layout); the RMSNorms' epsilon; True adds an RMSNorm over each query
   # and key head before the rotation (Qwen3). Initialisation (any width): the embeddings start
-  # at standard deviation 1/(2 sqrt(emb_dim)) and the logits are not scaled, so they start at
-  # standard deviation 1/2 and the first loss is ln(vocab_size) + 1/8
+  # at scale 1/(2 sqrt(emb_dim)) (a normal cut at two scales) and the logits are not scaled,
+  # so they start at standard deviation 0.44 and the first loss is about ln(vocab_size) + 0.1
   # (launch.training.model.embedding_init).
   c.tie_embeddings = True
   c.rope_theta = 10_000.0

@@ -221,11 +221,12 @@ class Transformer(hk.Module):
 
 
 def embedding_init(width: int) -> hk.initializers.Initializer:
-  """The token embedding's and the untied output projection's initialiser: standard
-  deviation 1/(2 sqrt(`width`)), so that a fresh model's first loss is ln(vocab_size) + 1/8 at
-  any width. The logits `hidden . e_v` are not scaled; with unit-RMS hidden states an output
-  embedding of standard deviation s gives logits of standard deviation s x sqrt(D), here 1/2
-  (the expected loss over ln(V) is half their variance), and the input token's own logit
+  """The token embedding's and the untied output projection's initialiser: a normal of
+  scale 1/(2 sqrt(`width`)) cut at two scales (Haiku's TruncatedNormal does not rescale: its
+  deviation is 0.88 x the scale), so that a fresh model's first loss is about ln(vocab_size) +
+  0.1 at any width. The logits `hidden . e_v` are not scaled; with unit-RMS hidden states an
+  output embedding of deviation s gives logits of deviation s x sqrt(D), here 0.44 (the
+  expected loss over ln(V) is half their variance, 0.097), and the input token's own logit
   (tied) stays small. An embedding of standard deviation 1 with logits divided by sqrt(D)
   gave the input token a logit near sqrt(D): 27 nats at step 0 at width 2048, vocabulary
   32768; 1/sqrt(D) with that divisor started right but learned the default job several times
