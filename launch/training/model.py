@@ -169,9 +169,9 @@ class Transformer(hk.Module):
     self.config = config
     self.mesh = mesh
     # The fallback events leave once per step, all layers in one callback after the layer
-    # stack (`__call__`), not from each layer: a rematerialised group would call back again
-    # when the backward recomputes it, and each callback holds a device up until the host
-    # takes it.
+    # stack (`__call__`), not from each layer: a rematerialised unit (a group or a block)
+    # would call back again when the backward recomputes it, and each callback holds a device
+    # up until the host takes it.
     self.emit_fallback_events = layer.emit_fallback_events
     self.moe_config = dataclasses.replace(layer, emit_fallback_events=False)
 
