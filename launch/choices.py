@@ -6,6 +6,7 @@ attention form runs on a platform, for the settings' check and the model alike."
 
 ATTENTION_IMPLS = ("auto", "xla", "splash", "cudnn")
 REMAT_POLICIES = ("none", "full", "save_attention_moe", "save_dots", "full_inputs_on_host")
+REMAT_UNITS = ("group", "block")  # what one remat unit holds: a layer group, or one block
 ROPE_LAYOUTS = ("rotate_half", "interleaved")  # which dimensions a rotary pair joins
 ROPE_SCALINGS = ("none", "llama3")             # config.rope_scaling.type
 DATA_SOURCES = ("stdlib", "synthetic", "files", "array_record")

@@ -31,8 +31,8 @@ from absl import app
 
 import moe_hk
 from launch.errors import UserError, user_errors
-from launch.choices import (ATTENTION_IMPLS, DATA_SOURCES, REMAT_POLICIES, ROPE_LAYOUTS,
-                            ROPE_SCALINGS, SPIKE_MIN_STEPS, resolve_attention)
+from launch.choices import (ATTENTION_IMPLS, DATA_SOURCES, REMAT_POLICIES, REMAT_UNITS,
+                            ROPE_LAYOUTS, ROPE_SCALINGS, SPIKE_MIN_STEPS, resolve_attention)
 from launch.planning import autopilot
 from moe_hk import mesh as mesh_lib
 
@@ -273,7 +273,7 @@ def _check_mesh(config: ml_collections.ConfigDict, layer: moe_hk.MoEConfig,
 
 
 def _check_model(config: ml_collections.ConfigDict) -> None:
-  """The model's keys: its shape, remat policy, attention form and chunking."""
+  """The model's keys: its shape, remat policy and unit, attention form and chunking."""
   seq = config.data.seq_len
   _require(1 <= config.moe_every <= config.num_layers and config.num_layers % config.moe_every == 0,
            f"config.moe_every={config.moe_every} must divide config.num_layers="
@@ -286,6 +286,7 @@ def _check_model(config: ml_collections.ConfigDict) -> None:
   _require(0 < config.norm_eps < 1, f"config.norm_eps={config.norm_eps} must be in (0, 1).")
   _one_of("attention_impl", config.attention_impl, ATTENTION_IMPLS)
   _one_of("remat_policy", config.remat_policy, REMAT_POLICIES)
+  _one_of("remat_unit", config.remat_unit, REMAT_UNITS)
   _one_of("optimizer_state_dtype", config.optimizer_state_dtype, moe_hk.config.DTYPES)
   _one_of("data.source", config.data.source, DATA_SOURCES)
   for name in ("attention_block", "loss_chunk"):

@@ -523,6 +523,7 @@ def test_a_lost_process_ends_the_run_in_one_line_and_the_rerun_resumes(lost_run)
                        "without a TPU or GPU, config.cpu_devices to the mesh's size."),
     ("remat_policy", "most", "config.remat_policy='most' must be one of 'none', 'full', "
                              "'save_attention_moe', 'save_dots', 'full_inputs_on_host'."),
+    ("remat_unit", "layer", "config.remat_unit='layer' must be one of 'group', 'block'."),
     # The factor rule's window serves the telemetry too: checked with the autopilot off.
     ("autopilot.window", 2, "config.autopilot.min_steps=20 must be in [1, "
                             "config.autopilot.window=2]"),

@@ -1,5 +1,5 @@
 """launch.training.model against independent dense references: chunked loss, RMSNorm and SwiGLU, the
-MoE block's shared expert, and the remat policies (attention: tests/test_attention.py)."""
+MoE block's shared expert, and the remat policies and units (attention: tests/test_attention.py)."""
 import math
 import os
 
@@ -8,9 +8,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.extend import core as jax_core
 
 import moe_hk
-from launch import settings as settings_lib
+from launch import choices, settings as settings_lib
 from launch.training import model as model_lib
 from launch.training.steps import make_steps
 from tests.helpers import settings_of, tiny_config
@@ -165,11 +166,11 @@ def test_remat_policies_give_the_same_step_and_keep_fallback_events():
     assert_trees_close(grads, results["none"][1], what=policy)
 
 
-def test_llama4_layer_pattern_groups_its_blocks_and_labels_every_moe_layer():
-  """Maverick's pattern (every 2nd block MoE, every 4th without RoPE) in 8 layers: 2 groups of
-  4 blocks, MoE in the 2nd and 4th; the 4 MoE layers' stats in layer order, each fallback event
-  labelled with its layer; in step mode the flag crosses the blocks of a group, so every MoE
-  layer from the first that overflowed on runs dropless."""
+@pytest.fixture(scope="module")
+def llama4_pattern():
+  """Maverick's pattern (every 2nd block MoE, every 4th without RoPE) in 8 layers of the tiny
+  model, in 'step' fallback mode: its config, settings, a batch and the parameters, which
+  every remat unit shares."""
   mesh = moe_hk.make_mesh(data=1, fsdp=1, expert=8)
   tokens = jax.random.randint(jax.random.key(0), (8, 32), 0, 256)
   c = tiny_config(num_layers=8, moe_every=2, nope_every=4, attention_chunk_size=8,
@@ -177,10 +178,23 @@ def test_llama4_layer_pattern_groups_its_blocks_and_labels_every_moe_layer():
                   floor_scale=4.0)
   c.moe.moe_dropless_fallback = "step"
   settings = settings_of(c)
+  params = jax.jit(_transformer(c, settings.layer, mesh).init)(jax.random.key(1), tokens, None)
+  return c, settings, mesh, tokens, params
+
+
+def _transformer(c, layer, mesh):
+  """The launcher's model of config `c`: `(tokens [B, S], step) -> ModelOutput`."""
+  return hk.transform(lambda t, s: model_lib.Transformer(c, layer, mesh, name="model")(t, s))
+
+
+def test_llama4_layer_pattern_groups_its_blocks_and_labels_every_moe_layer(llama4_pattern):
+  """Maverick's pattern in 8 layers: 2 groups of 4 blocks, MoE in the 2nd and 4th; the 4 MoE
+  layers' stats in layer order, each fallback event labelled with its layer; in step mode the
+  flag crosses the blocks of a group, so every MoE layer from the first that overflowed on
+  runs dropless."""
+  c, settings, mesh, tokens, params = llama4_pattern
   assert model_lib.block_kinds(c) == [(False, True), (True, True), (False, True), (True, False)]
-  net = hk.transform(lambda t, s: model_lib.Transformer(c, settings.layer, mesh, name="model")(
-      t, s))
-  params = jax.jit(net.init)(jax.random.key(1), tokens, None)
+  net = _transformer(c, settings.layer, mesh)
   group = "model/groups/model/~_group/"
   assert {m for m in params if m.startswith(group) and m.endswith("/moe")} == {
       group + "block_1/moe", group + "block_3/moe"}
@@ -201,6 +215,52 @@ def test_llama4_layer_pattern_groups_its_blocks_and_labels_every_moe_layer():
   assert sorted(e.layer for e in fell_back) == list(range(first, 4))
   for e in fell_back:
     np.testing.assert_allclose(e.stats.required_factor, stats.required_factor[e.layer])
+
+
+def _count_equations(jaxpr, primitive) -> int:
+  """Equations of `primitive` in `jaxpr` and in every jaxpr nested in its equations."""
+  count = 0
+  for eqn in jaxpr.eqns:
+    count += eqn.primitive == primitive
+    for value in eqn.params.values():
+      for sub in value if isinstance(value, (tuple, list)) else (value,):
+        sub = sub.jaxpr if isinstance(sub, jax_core.ClosedJaxpr) else sub
+        if isinstance(sub, jax_core.Jaxpr):
+          count += _count_equations(sub, primitive)
+  return count
+
+
+@pytest.mark.slow
+def test_a_remat_unit_per_block_computes_the_groups_step(llama4_pattern):
+  """`remat_unit='block'` makes each block of a layer group its own remat unit: its program
+  holds `layer_period - 1` more remat units than `'group'`'s (3 with 4 blocks; a model that
+  ignored the key would hold as many), and its step is the group's: the loss, every gradient
+  and the MoE stats, float32 within 1e-5. On Maverick's pattern in 'step' mode, where the
+  overflow flag crosses the block units, on a batch that overflows, under the policy that
+  moves each unit's input to the host ('full_inputs_on_host')."""
+  c, _, mesh, tokens, params = llama4_pattern
+  # A remat unit's primitive, as this jax names it.
+  remat = jax.make_jaxpr(jax.checkpoint(jnp.sin))(1.0).eqns[0].primitive
+  remat_units, steps = {}, {}
+  for unit in choices.REMAT_UNITS:
+    config = c.copy_and_resolve_references()
+    config.update(remat_unit=unit, remat_policy="full_inputs_on_host")
+    net = _transformer(config, settings_of(config).layer, mesh)
+    def loss(p, net=net):
+      out = net.apply(p, None, tokens, None)
+      ce = model_lib.cross_entropy(out.hidden, out.embeddings, jnp.roll(tokens, -1, axis=1))
+      return ce, out.moe_stats
+    remat_units[unit] = _count_equations(jax.make_jaxpr(loss)(params).jaxpr, remat)
+    steps[unit] = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
+  assert remat_units["block"] - remat_units["group"] == model_lib.layer_period(c) - 1 == 3, (
+      remat_units)
+  ((block_loss, block_stats), block_grads), ((loss, stats), grads) = (
+      steps["block"], steps["group"])
+  assert int(jnp.max(stats.fallback)) == 1, "the batch must overflow"
+  np.testing.assert_allclose(block_loss, loss, rtol=1e-5)
+  assert_trees_close(block_grads, grads, what="block unit vs group unit")
+  for name, block_field, field in zip(stats._fields, block_stats, stats):
+    np.testing.assert_allclose(block_field, field, rtol=1e-5, err_msg=name)
 
 
 def test_a_layer_pattern_that_does_not_fit_the_layers_is_refused():

@@ -142,9 +142,10 @@ def test_the_sweep_finds_every_kind_of_switch(base):
   """The discovery itself: the known booleans and choice keys are among what it sweeps."""
   keys = {key for key, _ in sweep_changes(base)}
   assert {"moe_metrics", "traffic.record", "tie_embeddings", "moe.use_ring_of_experts",
-          "remat_policy", "attention_impl", "rope_layout", "rope_scaling.type", "data.source",
-          "moe.moe_dropless_fallback", "moe.dropless_fallback_chunking", "moe.gmm_impl",
-          "moe.a2a_impl", "moe.router_score", "dtype", "autopilot.objective"} <= keys, keys
+          "remat_policy", "remat_unit", "attention_impl", "rope_layout", "rope_scaling.type",
+          "data.source", "moe.moe_dropless_fallback", "moe.dropless_fallback_chunking",
+          "moe.gmm_impl", "moe.a2a_impl", "moe.router_score", "dtype",
+          "autopilot.objective"} <= keys, keys
 
 
 @pytest.mark.slow

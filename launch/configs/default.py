@@ -44,6 +44,12 @@ def _model(c: ml_collections.ConfigDict) -> None:
   # the step's outputs under every policy; only the per-step host callbacks of capped-only
   # layers (stream_step_stats) are lost under 'none' (jax-ml/jax#28738).
   c.remat_policy = "full"
+  # What one remat unit holds: 'group' (a layer group, one period of the layer pattern: the
+  # backward recomputes its blocks together) or 'block' (each block of the group its own unit,
+  # the scan still over groups: one block's activations alive in the backward at a time, and
+  # an MoE block's forward is not recomputed for the blocks after it; every block's input is
+  # kept, which 'full_inputs_on_host' keeps on the host). docs/aot-memory.md measures both.
+  c.remat_unit = "group"
   # 'auto': splash attention (Pallas) on TPU, cuDNN on GPU, the XLA form on CPU; or name one.
   c.attention_impl = "auto"
   c.attention_block = 0       # query block of the XLA form's scan; 0 = whole sequence

@@ -6,8 +6,9 @@ plus an optional shared expert), the others dense SwiGLU blocks of width `mlp_di
 `nope_every`-th block (0: none) attends without rotary embeddings, over the whole prefix (Llama
 4's NoPE layers), the others within chunks of `attention_chunk_size` (0: the whole prefix).
 A layer group holds one period of that pattern (`layer_period`), and the groups run in an
-`hk.layer_stack` (a scan: one compiled group however deep the model), each group
-rematerialised in the backward under `config.remat_policy` (`REMAT_POLICIES`). Parameters are
+`hk.layer_stack` (a scan: one compiled group however deep the model), each group, or with
+`config.remat_unit='block'` each block of it, rematerialised in the backward under
+`config.remat_policy` (`REMAT_POLICIES`). Parameters are
 float32; matmuls run in `config.dtype`. The knobs public checkpoints need (`launch.convert`)
 are config keys whose defaults are the model above: `tie_embeddings` (False: an untied
 `[V, D]` output projection), `rope_theta`, `rope_layout`, `rope_scaling`, `norm_eps`, `qk_norm`
@@ -17,8 +18,9 @@ after it), `attn_temperature_tuning` (`floor_scale`, `attn_scale`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import haiku as hk
 import jax
@@ -40,9 +42,11 @@ class ModelOutput(NamedTuple):
   moe_stats: moe_hk.MoEStats  # per MoE block, stacked: each field has a leading [n] axis.
 
 
-# `config.remat_policy` -> what the backward keeps of a layer group's forward (None: the group
-# is not rematerialised, every residual is kept). Granularity: the dense+MoE group, whose
-# inputs are the only residuals 'full' keeps (one [B, S, D] per group).
+# `config.remat_policy` -> what the backward keeps of a remat unit's forward (None: nothing is
+# rematerialised, every residual is kept). The unit is `config.remat_unit`: a layer group
+# (one period of the layer pattern) or each block of it; a unit's inputs are the only
+# residuals 'full' keeps (one [B, S, D] per unit).
+UNIT_INPUT = "unit_input"  # the name of a remat unit's input (`rematerialised`)
 REMAT_POLICIES = {
     "none": None,
     # Everything recomputed: the least memory, one extra forward.
@@ -57,14 +61,27 @@ REMAT_POLICIES = {
     # rotary, the attention kernel's forward, the MoE's permutation and grouped matmuls. Per
     # block about (2 + 2 x kv/q heads) x D + 3 x mlp_dim bf16 values a token.
     "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-    # As 'full', but each group's input, the one residual 'full' keeps, waits for the backward
-    # in the host's memory (TPU and GPU: `pinned_host`), copied out in the forward and back
-    # in the backward; the same FLOPs. What a 48-layer model keeps per chip drops by its
-    # group inputs (Maverick: 12 x [4, 8192, 5120] bfloat16, 3.75 GiB).
+    # As 'full', but each unit's input (`UNIT_INPUT`), the one residual 'full' keeps, waits
+    # for the backward in the host's memory (TPU and GPU: `pinned_host`), copied out in the
+    # forward and back in the backward; the same FLOPs. What a 48-layer model keeps per chip
+    # drops by its unit inputs: with group units Maverick's 12 x [4, 8192, 5120] bfloat16
+    # (3.75 GiB); with block units every block's input, 48 of them (15 GiB), which 'full'
+    # would keep on the device.
     "full_inputs_on_host": jax.checkpoint_policies.save_and_offload_only_these_names(
-        names_which_can_be_saved=[], names_which_can_be_offloaded=["group_input"],
+        names_which_can_be_saved=[], names_which_can_be_offloaded=[UNIT_INPUT],
         offload_src="device", offload_dst="pinned_host"),
 }
+
+
+def rematerialised(fn: Callable, policy: Callable | None) -> Callable:
+  """`fn(x [B, S, D], *rest)` as one remat unit under `policy` (a `REMAT_POLICIES` value;
+  None: `fn` as it is). `x` is named `UNIT_INPUT` inside the unit, so that a policy can keep
+  it elsewhere ('full_inputs_on_host': the host's memory): the backward's recompute starts
+  from that copy, not from the residual the enclosing scan would stack on the device."""
+  if policy is None:
+    return fn
+  return hk.remat(lambda x, *rest: fn(checkpoint_name(x, UNIT_INPUT), *rest), policy=policy)
+
 
 def dense(x: jax.Array, features: int, name: str) -> jax.Array:
   """`x [..., Din] @ w [Din, features]` in x's dtype; w is a float32 parameter."""
@@ -152,57 +169,71 @@ class Transformer(hk.Module):
     self.config = config
     self.mesh = mesh
     # The fallback events leave once per step, all layers in one callback after the layer
-    # stack (`__call__`), not from each layer: a rematerialised group would call back again
-    # when the backward recomputes it, and each callback holds a device up until the host
-    # takes it.
+    # stack (`__call__`), not from each layer: a rematerialised unit (a group or a block)
+    # would call back again when the backward recomputes it, and each callback holds a device
+    # up until the host takes it.
     self.emit_fallback_events = layer.emit_fallback_events
     self.moe_config = dataclasses.replace(layer, emit_fallback_events=False)
 
-  def _group(self, x: jax.Array, after_overflow: jax.Array | None, group: jax.Array,
-             step: jax.Array | None
-             ) -> tuple[jax.Array, jax.Array | None, moe_hk.MoEStats]:
-    """One layer group's blocks (`block_kinds`): `[B, S, D]` -> same, the 'step'-mode flag
-    after them (`after_overflow`; None in the other modes) and its MoE blocks' stats, stacked
-    `[m, ...]`."""
+  # Transparent: the block's parameters belong to the group's `block_<i>` scope, where
+  # `_group` calls it, not to a scope of this method's own.
+  @hk.transparent
+  def _block(self, x: jax.Array, after_overflow: jax.Array | None, layer_index: jax.Array,
+             step: jax.Array | None, moe: bool, rope: bool
+             ) -> tuple[jax.Array, jax.Array | None, moe_hk.MoEStats | None]:
+    """One block (`block_kinds`: MoE or dense, with or without RoPE): `[B, S, D]` -> same, the
+    'step'-mode flag after it (`after_overflow`; None in the other modes) and, for an MoE
+    block, its stats (`layer_index`: its ordinal among the MoE blocks; None for a dense
+    block)."""
     c = self.config
-    kinds = block_kinds(c)
+    x = x + attention(rms_norm(x, "attention_norm", c.norm_eps), c, self.mesh, rope)
+    h = rms_norm(x, "mlp_norm", c.norm_eps)
+    if not moe:
+      with hk.name_scope("mlp"):
+        return x + swiglu(h, c.mlp_dim).astype(x.dtype), after_overflow, None
+    layer = moe_hk.MoELayer(self.moe_config, self.mesh, name="moe")
+    y, stats = layer(h, step=step, layer_index=layer_index, return_stats=True,
+                     after_overflow=after_overflow)
+    if after_overflow is not None:
+      after_overflow = step_mode.overflowed(after_overflow, stats)
+    y = checkpoint_name(y, "moe_out")
+    if c.shared_expert:
+      with hk.name_scope("shared_expert"):
+        y = y + swiglu(h, self.moe_config.mlp_dim)
+    return x + y.astype(x.dtype), after_overflow, stats
+
+  def _group(self, x: jax.Array, after_overflow: jax.Array | None, group: jax.Array,
+             step: jax.Array | None, unit: Callable[[Callable], Callable]
+             ) -> tuple[jax.Array, jax.Array | None, moe_hk.MoEStats]:
+    """One layer group's blocks (`block_kinds`), each run as `unit(block)` (a remat unit per
+    block, or the block as it is): `[B, S, D]` -> same, the 'step'-mode flag after them
+    (`after_overflow`; None in the other modes) and its MoE blocks' stats, stacked
+    `[m, ...]`."""
+    kinds = block_kinds(self.config)
     per_group = sum(moe for moe, _ in kinds)
     stats = []
     for i, (moe, rope) in enumerate(kinds):
+      block = unit(functools.partial(self._block, moe=moe, rope=rope))
       with hk.name_scope(f"block_{i}"):
-        x = x + attention(rms_norm(x, "attention_norm", c.norm_eps), c, self.mesh, rope)
-        h = rms_norm(x, "mlp_norm", c.norm_eps)
-        if moe:
-          layer = moe_hk.MoELayer(self.moe_config, self.mesh, name="moe")
-          y, layer_stats = layer(h, step=step, layer_index=group * per_group + len(stats),
-                                 return_stats=True, after_overflow=after_overflow)
-          stats.append(layer_stats)
-          if after_overflow is not None:
-            after_overflow = step_mode.overflowed(after_overflow, layer_stats)
-          y = checkpoint_name(y, "moe_out")
-          if c.shared_expert:
-            with hk.name_scope("shared_expert"):
-              y = y + swiglu(h, self.moe_config.mlp_dim)
-        else:
-          with hk.name_scope("mlp"):
-            y = swiglu(h, c.mlp_dim)
-        x = x + y.astype(x.dtype)
+        x, after_overflow, layer_stats = block(x, after_overflow,
+                                               group * per_group + len(stats), step)
+      if moe:
+        stats.append(layer_stats)
     return x, after_overflow, jax.tree.map(lambda *s: jnp.stack(s), *stats)
 
   def __call__(self, tokens: jax.Array, step: jax.Array | None = None) -> ModelOutput:
     c = self.config
     embed = hk.Embed(c.vocab_size, c.emb_dim, name="embed", w_init=embedding_init(c.emb_dim))
     x = embed(tokens).astype(jnp.dtype(c.dtype))
+    # The remat unit: the whole group, or each of its blocks (the backward then holds one
+    # block's activations at a time, and an MoE block's output feeds no recompute but its own).
+    unit = functools.partial(rematerialised, policy=REMAT_POLICIES[c.remat_policy])
+    as_is = lambda fn: fn
+    whole, each = (unit, as_is) if c.remat_unit == "group" else (as_is, unit)
+    run_group = whole(lambda x_, after, index: self._group(x_, after, index, step, each))
     def group(carry, index):
-      x_, after = carry
-      # Named, so that 'full_inputs_on_host' keeps this (the group's recompute starts here)
-      # in the host's memory rather than the scan's stacked inputs on the device.
-      x_ = checkpoint_name(x_, "group_input")
-      x_, after, stats = self._group(x_, after, index, step)
+      x_, after, stats = run_group(*carry, index)
       return (x_, after), stats
-    policy = REMAT_POLICIES[c.remat_policy]
-    if policy is not None:
-      group = hk.remat(group, policy=policy)
     num_groups = c.num_layers // layer_period(c)
     after = jnp.zeros((), bool) if self.moe_config.step_fallback else None
     (x, _), stats = hk.layer_stack(num_groups, with_per_layer_inputs=True, name="groups")(
