@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from launch.errors import UserError
+from launch.hf.importing import configured
 from launch.training import trainer
 from tests.helpers import settings_of, tiny_config
 
@@ -35,18 +36,6 @@ def walk(config: ml_collections.ConfigDict, prefix: str = ""):
       yield f"{prefix}{key}", value
 
 
-def with_changes(base: ml_collections.ConfigDict, changes: dict) -> ml_collections.ConfigDict:
-  """A copy of `base` with each dotted key of `changes` set."""
-  config = ml_collections.ConfigDict(base.to_dict())
-  for key, value in changes.items():
-    *path, last = key.split(".")
-    node = config
-    for part in path:
-      node = node[part]
-    node[last] = value
-  return config
-
-
 def build(config: ml_collections.ConfigDict):
   """The settings for this machine's devices and platform (its refusals included)."""
   return settings_of(config, platform=jax.devices()[0].platform)
@@ -56,7 +45,7 @@ def choice_values(base: ml_collections.ConfigDict, key: str) -> tuple[str, ...] 
   """The values the settings allow for string key `key` (from their one-line refusal of a
   value no key takes); None when `key` is not checked against a list of choices."""
   try:
-    build(with_changes(base, {key: PROBE}))
+    build(configured(base, {key: PROBE}))
   except UserError as e:
     found = re.search(rf"{re.escape(key.split('.')[-1])}='{PROBE}'.* must be one of "
                       r"((?:'[^']*'(?:, )?)+)", str(e))
@@ -108,7 +97,7 @@ def pack(base, changes, tmp_path) -> list[dict]:
   for key, value in changes:
     change = {key: value, **companions(tmp_path, key, value)}
     try:
-      build(with_changes(base, change))
+      build(configured(base, change))
     except UserError as e:  # alone, only what this platform cannot run may be refused
       assert_one_line_naming(e, key)
       platform = jax.devices()[0].platform
@@ -118,7 +107,7 @@ def pack(base, changes, tmp_path) -> list[dict]:
       if key in run:
         continue
       try:
-        build(with_changes(base, {**run, **change}))
+        build(configured(base, {**run, **change}))
       except UserError as e:
         assert_one_line_naming(e, key)
         assert any(k.split(".")[-1] in str(e) for k in run), (
@@ -153,5 +142,5 @@ def test_every_switch_trains_or_is_refused_in_one_line(base, tmp_path):
   runs = pack(base, sweep_changes(base), tmp_path)
   assert 1 < len(runs) <= 8, runs  # packed: a handful of programs, not one per value
   for i, run in enumerate(runs):
-    losses = trainer.train_and_evaluate(build(with_changes(base, run)), str(tmp_path / f"{i}"))
+    losses = trainer.train_and_evaluate(build(configured(base, run)), str(tmp_path / f"{i}"))
     assert len(losses) == base.train_steps and np.all(np.isfinite(losses)), (run, losses)
