@@ -59,7 +59,7 @@ REMAT_POLICIES = {
     # Keeps every matmul output whose operands share no batch axis (the projections: q, k, v,
     # o, the dense MLP's three, the router's) and recomputes the rest in the backward: norms,
     # rotary, the attention kernel's forward, the MoE's permutation and grouped matmuls. Per
-    # block about (2 + 2 x kv/q heads) x D + 3 x mlp_dim bf16 values a token.
+    # dense block (3 + 2 x kv/q heads) x D + 2 x mlp_dim values a token in the compute dtype.
     "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
     # As 'full', but each unit's input (`UNIT_INPUT`), the one residual 'full' keeps, waits
     # for the backward in the host's memory (TPU and GPU: `pinned_host`), copied out in the
