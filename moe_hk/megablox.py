@@ -11,9 +11,10 @@ through a layout copy of the whole `[G, K, N]` stack, `gmm(transpose_rhs=True)` 
 place, so the chunked fallback's backward holds no copy of the local experts' weights.
 
 The kernels leave rows past the groups unwritten (whatever the buffer held). `expert_mlp`
-zeroes them in its output; their gradient stays undefined, and the layer's paths cut those
-rows off from the gradient where they gather them (`ragged_path.grouped_rows`): masking the
-input gradient here costs another buffer-sized array per chunk in the fallback's backward. The
+zeroes them in its output; their gradient stays undefined, and the layer's paths keep it from
+any sender: they gather the rows with those rows cut off (`expert_rows.take_rows`,
+`grouped_rows`), or no exchange sends them back (an empty buffer row is no sender's). Masking
+the input gradient here costs another buffer-sized array per chunk in the fallback's backward. The
 kernels also need M to be a multiple of their row tile; `expert_mlp` pads the rows up to
 one once, for all three matmuls.
 """

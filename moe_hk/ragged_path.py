@@ -16,48 +16,10 @@ import jax.numpy as jnp
 from moe_hk import dispatch_plan
 from moe_hk.all_to_all import ragged_all_to_all
 from moe_hk.config import MoEConfig
+from moe_hk.expert_rows import (combine_rows, grouped_experts_mlp, inverse_permutation,
+                                take_rows, weighted_inputs)
 from moe_hk.expert_types import Backends, ExpertWeights
-from moe_hk.grouped_matmul import expert_mlp
 from moe_hk.routing import tokens_per_expert
-
-
-def combine_rows(rows: jax.Array, weights: jax.Array, config: MoEConfig) -> jax.Array:
-  """Sum over K of rows `[T * K, D]` in (t, k) order -> `[T, D]` float32: weighted by
-  `weights [T, K]` when the router weighs outputs (`config.router_weights_on`), else as they
-  are (the weights scaled the inputs: `weighted_inputs`)."""
-  tokens, k = weights.shape
-  rows = rows.reshape(tokens, k, -1).astype(jnp.float32)
-  if config.router_weights_on == "input":
-    return jnp.sum(rows, axis=1)
-  return jnp.einsum("tk,tkd->td", weights, rows)
-
-
-def weighted_inputs(rows: jax.Array, row_weights: jax.Array, config: MoEConfig) -> jax.Array:
-  """Rows `[N, D]` (compute dtype) bound for experts, each scaled by its router weight
-  `row_weights [N]` when the router weighs inputs (`config.router_weights_on='input'`), else
-  as they are."""
-  if config.router_weights_on != "input":
-    return rows
-  return (rows.astype(jnp.float32) * row_weights[:, None]).astype(rows.dtype)
-
-
-def grouped_experts_mlp(rows: jax.Array, experts: ExpertWeights, group_sizes: jax.Array,
-                        config: MoEConfig, backends: Backends) -> jax.Array:
-  """SwiGLU of rows `[R, D]` grouped by local expert (`group_sizes [L]`, then padding rows,
-  which come back 0; take them with `grouped_rows`: their gradient is undefined with
-  'megablox') with `experts` in the compute dtype -> `[R, D]`."""
-  return expert_mlp(rows, experts.wi_0, experts.wi_1, experts.wo, group_sizes, backends.gmm,
-                    config.gmm_block_rows, backends.interpret)
-
-
-def grouped_rows(source: jax.Array, index: jax.Array, group_sizes: jax.Array) -> jax.Array:
-  """`source [S, D]` rows at `index [R]` (rows grouped by local expert, `group_sizes [L]`)
-  -> `[R, D]`, with the rows past `sum(group_sizes)` 0 and cut off from the gradient: they
-  take an out-of-range index, whose transposed scatter drops them. So the grouped matmul
-  may leave the gradient of its padding rows undefined (megablox does)."""
-  in_groups = jnp.arange(index.shape[0]) < jnp.sum(group_sizes)
-  return jnp.take(source, jnp.where(in_groups, index, source.shape[0]), axis=0, mode="fill",
-                  fill_value=0)
 
 
 def gather_counts(expert_ids: jax.Array, config: MoEConfig) -> jax.Array:
@@ -76,16 +38,35 @@ def ragged_moe(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, experts:
   axis = config.expert_axis
   _, k = expert_ids.shape
   order = jnp.argsort(expert_ids.reshape(-1), stable=True)       # [N], by expert
-  sorted_rows = weighted_inputs(x.astype(config.compute_dtype)[order // k],
+  unsort = inverse_permutation(order)
+  every = jnp.int32(order.shape[0])
+  sorted_rows = weighted_inputs(take_rows(x.astype(config.compute_dtype), order, unsort, every, k),
                                 weights.reshape(-1)[order], config)   # [N, D]
   plan = dispatch_plan.make_plan(gather_counts(expert_ids, config), jax.lax.axis_index(axis),
                                  rows)
   buffer = ragged_all_to_all(sorted_rows, jnp.zeros((rows, x.shape[-1]), sorted_rows.dtype),
                              plan.dispatch, axis, backends.a2a)   # [R, D]
-  by_expert = jnp.argsort(plan.buffer_expert, stable=True)       # [R], empty rows last
-  grouped = grouped_rows(buffer, by_expert, plan.local_group_sizes)
-  out = grouped_experts_mlp(grouped, experts, plan.local_group_sizes, config,
-                            backends)[jnp.argsort(by_expert)]  # [R, D], buffer order
+  out = _experts_on_buffer(buffer, plan, experts, config, backends,
+                           one_block=jax.lax.axis_size(axis) == 1
+                           or plan.local_group_sizes.shape[0] == 1)
   returned = ragged_all_to_all(out, jnp.zeros_like(sorted_rows), plan.combine, axis,
                                backends.a2a)                     # [N, D]
-  return combine_rows(returned[jnp.argsort(order)], weights, config)
+  return combine_rows(take_rows(returned, unsort, order, every, 1), weights, config)
+
+
+def _experts_on_buffer(buffer: jax.Array, plan: dispatch_plan.DispatchPlan,
+                       experts: ExpertWeights, config: MoEConfig, backends: Backends,
+                       one_block: bool) -> jax.Array:
+  """The local experts' SwiGLU of the receive buffer's rows `[R, D]` -> `[R, D]` in buffer
+  order, 0 in its empty rows. The buffer holds (sender, local expert) blocks back to back,
+  its empty rows last: grouped by expert already when there is one sender or one local expert
+  (`one_block`), else regrouped there and back. Either way the rows past the groups (the
+  empty rows) reach no sender's gradient: no exchange sends them back."""
+  sizes = plan.local_group_sizes
+  if one_block:
+    return grouped_experts_mlp(buffer, experts, sizes, config, backends)
+  by_expert = jnp.argsort(plan.buffer_expert, stable=True)       # [R], empty rows last
+  to_buffer = inverse_permutation(by_expert)
+  grouped = take_rows(buffer, by_expert, to_buffer, jnp.sum(sizes), 1)
+  out = grouped_experts_mlp(grouped, experts, sizes, config, backends)
+  return take_rows(out, to_buffer, by_expert, jnp.int32(out.shape[0]), 1)

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from moe_hk.config import MoEConfig
 from moe_hk.expert_types import Backends, ExpertWeights
-from moe_hk.ragged_path import grouped_experts_mlp, grouped_rows, weighted_inputs
+from moe_hk.expert_rows import grouped_experts_mlp, grouped_rows, weighted_inputs
 
 
 def ring_moe(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, experts: ExpertWeights,

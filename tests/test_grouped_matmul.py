@@ -9,7 +9,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import moe_hk
-from moe_hk import grouped_matmul, megablox, ragged_path
+from moe_hk import expert_rows, grouped_matmul, megablox
 from tests.moe_inputs import outputs_and_grads, reference_outputs_and_grads, skewed_inputs
 from tests.tree_close import assert_trees_close
 
@@ -317,9 +317,36 @@ def test_grouped_rows_cut_padding_rows_off_the_gradient():
   source."""
   source = jnp.arange(18, dtype=jnp.float32).reshape(6, 3)
   index, sizes = jnp.array([4, 0, 5, 2]), jnp.array([1, 1], jnp.int32)
-  rows, pullback = jax.vjp(lambda s: ragged_path.grouped_rows(s, index, sizes), source)
+  rows, pullback = jax.vjp(lambda s: expert_rows.grouped_rows(s, index, sizes), source)
   np.testing.assert_array_equal(rows, np.stack([source[4], source[0], np.zeros(3), np.zeros(3)]))
   (grad,) = pullback(jnp.array([[1.0] * 3, [2.0] * 3, [np.nan] * 3, [np.nan] * 3]))
   want = np.zeros((6, 3))
   want[4], want[0] = 1.0, 2.0
   np.testing.assert_array_equal(grad, want)
+
+
+@pytest.mark.parametrize("copies", [1, 2])
+def test_take_rows_backward_is_the_gathers_transpose_by_a_gather(copies):
+  """`take_rows` moves a permutation's rows (each source row `copies` times) and back by
+  gathers: forward and gradient equal the plain gather's and its scatter-add transpose's;
+  rows from `kept` on come out 0 and their cotangent (NaN here) reaches no source row. The
+  control: with the inverse permutation off by one, the gradient differs."""
+  rng = np.random.default_rng(0)
+  source = jnp.asarray(rng.normal(size=(6, 3)), jnp.float32)
+  index = jnp.asarray(rng.permutation(6 * copies), jnp.int32)
+  inverse = expert_rows.inverse_permutation(index)
+  kept = 6 * copies - 2
+  cotangent = jnp.asarray(rng.normal(size=(6 * copies, 3)), jnp.float32).at[kept:].set(np.nan)
+  rows, pullback = jax.vjp(
+      lambda s: expert_rows.take_rows(s, index, inverse, jnp.int32(kept), copies), source)
+  want_rows, want_pullback = jax.vjp(lambda s: s[index[:kept] // copies], source)
+  np.testing.assert_array_equal(rows[:kept], want_rows)
+  np.testing.assert_array_equal(rows[kept:], 0)
+  np.testing.assert_allclose(pullback(cotangent)[0], want_pullback(cotangent[:kept])[0],
+                             rtol=1e-6)
+  shifted = jnp.roll(inverse, 1)
+  _, wrong = jax.vjp(
+      lambda s: expert_rows.take_rows(s, index, shifted, jnp.int32(6 * copies), copies), source)
+  _, right = jax.vjp(lambda s: s[index // copies], source)
+  clean = cotangent.at[kept:].set(1.0)
+  assert not np.allclose(wrong(clean)[0], right(clean)[0])
