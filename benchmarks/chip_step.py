@@ -1,7 +1,7 @@
 """The launcher's train step on the chip that is present: speed per attention form and grouped
 matmul backend, and peak memory per MoE buffer variant.
 
-  python -m benchmarks.chip_step [--config=launch/configs/tpu_chip.py] [--steps=20]
+  python -m benchmarks.chip_step [--config=launch/configs/tpu_chip.py] [--steps=10]
       [--attention=auto] [--gmm=ragged_dot,megablox] [--memory=capped,fallback,worst_case]
       [--profile_dir=DIR] [--results=chip_step] [--config.KEY=VALUE ...]
 
@@ -173,7 +173,7 @@ def _table(rows: list[dict]) -> str:
 def main(argv: list[str]) -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--config", default=os.path.join(settings_lib.CONFIGS, "tpu_chip.py"))
-  parser.add_argument("--steps", type=int, default=20)
+  parser.add_argument("--steps", type=int, default=10)
   parser.add_argument("--warmup", type=int, default=3)
   split = lambda text: [t for t in text.split(",") if t]
   parser.add_argument("--attention", type=split, default=["auto"])
