@@ -19,7 +19,7 @@ from moe_hk.config import MoEConfig
 from moe_hk.events import emit_layer_event
 from moe_hk.expert_types import Backends, ExpertWeights
 from moe_hk.layer_call import LayerCall
-from moe_hk.shard_forward import builds_fallback, moe_shard
+from moe_hk.shard_forward import moe_shard, size
 from moe_hk.stats import MoEStats, reduce_stats
 
 
@@ -177,6 +177,8 @@ def forward_after_check(params: MoEParams, x: jax.Array, *, config: MoEConfig, m
   axes = tuple(mesh.axis_names)
   stats_specs = MoEStats(*([P()] * len(MoEStats._fields)))
   step, layer_index = call.step, call.layer_index
+  # The batch is split over every mesh axis (`batch`): each shard's (B / devices, S, D).
+  shard = size((x.shape[0] // mesh.size, *x.shape[1:]), config, mesh.shape[config.expert_axis])
   labels = jnp.asarray([0 if step is None else step, 0 if layer_index is None else layer_index],
                        jnp.int32)
 
@@ -186,7 +188,7 @@ def forward_after_check(params: MoEParams, x: jax.Array, *, config: MoEConfig, m
     local_call = LayerCall(force_dropless=call.force_dropless,
                            after_overflow=after_local if step_mode else None)
     y, local = moe_shard(x_local, router_w, experts, config=config, backends=backends,
-                         mesh_axes=axes, call=local_call)
+                         mesh_axes=axes, shard=shard, call=local_call)
     return y, reduce_stats(local, mesh, config)
 
   specs = param_specs(config, mesh)
@@ -196,8 +198,7 @@ def forward_after_check(params: MoEParams, x: jax.Array, *, config: MoEConfig, m
                      out_specs=(batch, stats_specs), check_vma=backends.gmm != "megablox")
   y, stats = fn(x, after, *params)
   every_step = config.stream_step_stats
-  can_fall_back = not call.force_dropless and builds_fallback(
-      config, shards=mesh.shape[config.expert_axis], tokens=x.shape[0] // mesh.size * x.shape[1])
+  can_fall_back = not call.force_dropless and shard.builds_fallback
   if step is not None and (every_step or (can_fall_back and config.emit_fallback_events)):
     # Outside shard_map: the stats are replicated, so one callback per step and layer (two
     # when a rematerialised forward is recomputed), not one per device.

@@ -5,14 +5,15 @@ shards, L = E / P local experts, T = B * S local tokens, R capped buffer rows.
 
 `moe_shard` runs the layer's stages, each a function here:
 
-1. `size`: the shard's shape and its capped and worst-case buffers (`moe_hk.buffer_size`).
-2. route: `moe_hk.routing.route`, once for both paths: the load-balance loss, tokens per
+0. `size` (once per trace, by the caller, outside shard_map): the shard's shape, its capped and
+   worst-case buffers (`moe_hk.buffer_size`) and whether the layer builds its fallback.
+1. route: `moe_hk.routing.route`, once for both paths: the load-balance loss, tokens per
    expert and the overflow check all come from the full step's routing, never from a chunk.
-3. `check`: every shard's rows per expert all-gathered, the rows beyond each receiver's buffer.
-4. `exchange_or_fall_back`: the capped exchange, or (when a buffer would overflow) the chunked
+2. `check`: every shard's rows per expert all-gathered, the rows beyond each receiver's buffer.
+3. `exchange_or_fall_back`: the capped exchange, or (when a buffer would overflow) the chunked
    dropless fallback, or the worst-case buffer; each path exchanges, runs the experts and
    combines a token's K rows (`moe_hk.ragged_path`, `moe_hk.ring_path`).
-5. `shard_stats`: the shard's `MoEStats`.
+4. `shard_stats`: the shard's `MoEStats`.
 
 A token whose router logits are not all finite is routed to no expert (`moe_hk.routing`): no
 path sends its rows, and its output row is NaN.
@@ -44,6 +45,10 @@ class ShardSize(NamedTuple):
   local: int         # L
   capped_rows: int   # R: the buffer of `ragged_buffer_factor`
   worst_rows: int    # the worst case's buffer
+  # The layer builds its overflow check and dropless fallback (unless `force_dropless`): a
+  # fallback mode and a buffer below the worst case. With the worst-case buffer nothing can
+  # overflow, so no cond is built and the fallback costs nothing.
+  builds_fallback: bool
 
   @property
   def tokens(self) -> int:
@@ -64,17 +69,15 @@ class Ran(NamedTuple):
   chunks: jax.Array      # int32 scalar: the chunks the fallback ran (0: it did not)
 
 
-def size(x_shape: tuple[int, int, int], config: MoEConfig) -> ShardSize:
-  """The shape of this shard's input `x_shape = (B, S, D)` and its buffers (inside
-  shard_map: P is the expert axis' size)."""
+def size(x_shape: tuple[int, int, int], config: MoEConfig, shards: int) -> ShardSize:
+  """The shape of one shard's input `x_shape = (B, S, D)` and its buffers over `shards` (P)
+  expert shards."""
   batch, seq, width = x_shape
-  k, shards = config.num_experts_per_tok, jax.lax.axis_size(config.expert_axis)
-  local = config.num_experts // shards
-  return ShardSize(
-      batch, seq, width, k, shards, local,
-      capped_rows=buffer_size.buffer_rows(shards, batch * seq, k, local,
-                                          config.ragged_buffer_factor),
-      worst_rows=buffer_size.worst_case_rows(shards, batch * seq, k, local))
+  k, local = config.num_experts_per_tok, config.num_experts // shards
+  capped = buffer_size.buffer_rows(shards, batch * seq, k, local, config.ragged_buffer_factor)
+  worst = buffer_size.worst_case_rows(shards, batch * seq, k, local)
+  return ShardSize(batch, seq, width, k, shards, local, capped_rows=capped, worst_rows=worst,
+                   builds_fallback=config.falls_back and capped < worst)
 
 
 def check(route: routing_lib.Routing, config: MoEConfig, shard: ShardSize) -> Check:
@@ -151,7 +154,7 @@ def exchange_or_fall_back(x: jax.Array, route: routing_lib.Routing, experts: Exp
   operands = (x, route.weights.reshape(s.batch, s.seq, s.k), experts)
   if call.force_dropless:
     return Ran(paths.buffer(s.worst_rows)(operands, ids), zero, zero, zero)
-  if not builds_fallback(config, shards=s.shards, tokens=s.tokens):
+  if not s.builds_fallback:
     return Ran(paths.buffer(s.capped_rows)(operands, ids), zero, checked.would_drop, zero)
   capped, last = paths.buffer(s.capped_rows), _fixed_rung(config, s)
   if config.layer_fallback and config.dropless_fallback_chunking == "adaptive":
@@ -193,29 +196,17 @@ def shard_stats(route: routing_lib.Routing, checked: Check, ran: Ran, config: Mo
 
 
 def moe_shard(x: jax.Array, router_w: jax.Array, experts: ExpertWeights, *, config: MoEConfig,
-              backends: Backends, mesh_axes: tuple[str, ...], call: LayerCall = LayerCall()
-              ) -> tuple[jax.Array, MoEStats]:
-  """`x [B, S, D]` -> `(y [B, S, D], MoEStats)` on one shard, the stats this shard's view
-  before `moe_hk.stats.reduce_stats` (`moe_hk.stats.REDUCTIONS` says what each field holds):
-  size, route, check, exchange or fall back, stats."""
-  shard = size(x.shape, config)
+              backends: Backends, mesh_axes: tuple[str, ...], shard: ShardSize,
+              call: LayerCall = LayerCall()) -> tuple[jax.Array, MoEStats]:
+  """`x [B, S, D]` -> `(y [B, S, D], MoEStats)` on one shard of size `shard` (`size`), the
+  stats this shard's view before `moe_hk.stats.reduce_stats` (`moe_hk.stats.REDUCTIONS` says
+  what each field holds): route, check, exchange or fall back, stats."""
   route = routing_lib.route(x.reshape(shard.tokens, shard.width), router_w, shard.k,
                             config.router_score, config.norm_topk_prob)
   checked = check(route, config, shard)
   ran = exchange_or_fall_back(x, route, experts, checked, config=config, backends=backends,
                               mesh_axes=mesh_axes, shard=shard, call=call)
   return ran.y.astype(x.dtype), shard_stats(route, checked, ran, config, shard)
-
-
-def builds_fallback(config: MoEConfig, *, shards: int, tokens: int) -> bool:
-  """Whether the layer builds its overflow check and dropless fallback (without
-  `force_dropless`): a fallback mode and a buffer below the worst case of `tokens` tokens per
-  shard over `shards` expert shards. With the worst-case buffer nothing can overflow, so no
-  cond is built and the fallback costs nothing."""
-  k, local = config.num_experts_per_tok, config.num_experts // shards
-  return config.falls_back and (
-      buffer_size.buffer_rows(shards, tokens, k, local, config.ragged_buffer_factor)
-      < buffer_size.worst_case_rows(shards, tokens, k, local))
 
 
 def adaptive_rung(expert_ids: jax.Array, rungs: tuple[fallback.Rung, ...], rows: int, *,

@@ -10,7 +10,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from moe_hk import MoEConfig, MoEParams, mesh as mesh_lib, mesh_forward, param_specs
 from moe_hk.expert_types import ExpertWeights
-from moe_hk.shard_forward import moe_shard
+from moe_hk import shard_forward
 from tests import reference
 
 
@@ -72,8 +72,10 @@ def per_device_stats(config: MoEConfig, mesh: Mesh, params: MoEParams, x, fields
   axes = tuple(mesh.axis_names)
 
   def per_device(x_, router_w, wi_0, wi_1, wo):
-    y, local = moe_shard(x_, router_w, ExpertWeights(wi_0, wi_1, wo), config=config,
-                         backends=backends, mesh_axes=axes)
+    shard = shard_forward.size(x_.shape, config, mesh.shape[config.expert_axis])
+    y, local = shard_forward.moe_shard(x_, router_w, ExpertWeights(wi_0, wi_1, wo),
+                                       config=config, backends=backends, mesh_axes=axes,
+                                       shard=shard)
     return y, tuple(getattr(local, f)[None] for f in fields)
 
   batch = mesh_lib.batch_spec(mesh)

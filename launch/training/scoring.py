@@ -15,8 +15,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import moe_hk
 from launch.settings import Settings
 from launch.training import model as model_lib
-from moe_hk import buffer_size, fallback
-from moe_hk.shard_forward import builds_fallback
+from moe_hk import buffer_size, fallback, shard_forward
 
 Forward = Callable[[hk.Params, jax.Array], tuple[jax.Array, moe_hk.MoEStats]]
 
@@ -42,17 +41,15 @@ def fitted(settings: Settings, shape: tuple[int, int], devices: int) -> tuple[Se
   tokens per device (a short text on many expert shards), with the worst-case buffer, which
   drops nothing either, and a note saying so."""
   layer, shards = settings.layer, settings.expert_shards
-  rows, seq = shape[0] // devices, shape[1]
-  k, local, tokens = layer.num_experts_per_tok, layer.num_experts // shards, rows * seq
-  if not builds_fallback(layer, shards=shards, tokens=tokens):
+  shard = shard_forward.size((shape[0] // devices, shape[1], layer.emb_dim), layer, shards)
+  if not shard.builds_fallback:
     return settings, ""
   try:
     fallback.fallback_num_chunks(
-        batch=rows, seq=seq, k=k, shards=shards, local_experts=local,
-        rows=buffer_size.buffer_rows(shards, tokens, k, local, layer.ragged_buffer_factor),
-        requested=layer.dropless_fallback_num_chunks)
+        batch=shard.batch, seq=shard.seq, k=shard.k, shards=shards, local_experts=shard.local,
+        rows=shard.capped_rows, requested=layer.dropless_fallback_num_chunks)
   except ValueError:
-    note = (f"{seq} positions are too few for the fallback's chunks at ragged_buffer_factor="
+    note = (f"{shard.seq} positions are too few for the fallback's chunks at ragged_buffer_factor="
             f"{layer.ragged_buffer_factor:g} on {shards} expert shards: scored with the "
             "worst-case buffer, which drops nothing either")
     return settings._replace(layer=layer.replace(
