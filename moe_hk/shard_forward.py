@@ -63,7 +63,7 @@ class Check(NamedTuple):
 
 class Ran(NamedTuple):
   """What the path that ran did."""
-  y: jax.Array           # [B, S, D] float32
+  y: jax.Array           # [B, S, D] in x's dtype
   fallback: jax.Array    # int32 scalar: 1 if the chunked dropless path ran
   dropped: jax.Array     # int32 scalar: rows dropped (none when the fallback ran)
   chunks: jax.Array      # int32 scalar: the chunks the fallback ran (0: it did not)
@@ -109,20 +109,20 @@ class _Paths:
     s = self.shard
     def run_buffer(operands, expert_ids):
       x, weights, experts = operands
-      return self._nan_unrouted(self.run(x.reshape(s.tokens, s.width),
-                                         expert_ids.reshape(s.tokens, s.k),
-                                         weights.reshape(s.tokens, s.k), experts, rows=rows),
-                                expert_ids)
+      y = self.run(x.reshape(s.tokens, s.width), expert_ids.reshape(s.tokens, s.k),
+                   weights.reshape(s.tokens, s.k), experts, rows=rows)
+      return self._nan_unrouted(y.astype(x.dtype), expert_ids)
     return run_buffer
 
   def chunked(self, rung: fallback.Rung) -> Callable:
     """The chunked dropless path of `rung`: rung.rows <= the fixed rung's <= the capped
     buffer's; below a chunk's worst case, a rung runs only when its chunks' actual traffic
-    fits (`adaptive_rung`), so no rung drops a row."""
+    fits (`adaptive_rung`), so no rung drops a row. Each chunk's output is cast to x's dtype
+    in the chunk, so the scan stacks no float32 copy of the layer's output."""
     def run_chunks(operands, expert_ids):
       x, weights, experts = operands
       def chunk(x_c, ids_c, weights_c):
-        return self.run(x_c, ids_c, weights_c, experts, rows=rung.rows)
+        return self.run(x_c, ids_c, weights_c, experts, rows=rung.rows).astype(x.dtype)
       return self._nan_unrouted(
           fallback.chunked_dropless(chunk, x, (expert_ids, weights), rung.chunks), expert_ids)
     return run_chunks
@@ -206,7 +206,7 @@ def moe_shard(x: jax.Array, router_w: jax.Array, experts: ExpertWeights, *, conf
   checked = check(route, config, shard)
   ran = exchange_or_fall_back(x, route, experts, checked, config=config, backends=backends,
                               mesh_axes=mesh_axes, shard=shard, call=call)
-  return ran.y.astype(x.dtype), shard_stats(route, checked, ran, config, shard)
+  return ran.y, shard_stats(route, checked, ran, config, shard)
 
 
 def adaptive_rung(expert_ids: jax.Array, rungs: tuple[fallback.Rung, ...], rows: int, *,
