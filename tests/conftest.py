@@ -58,9 +58,11 @@ WORKER_GROUPS = (
     # One worker for both platforms: run side by side, libtpu's compiler threads and XLA:CPU's
     # compile slow each other down more than running one after the other.
     (r"tests/test_fallback_memory\.py::", "fallback_memory"),
-    # The SIGTERM test and the default job's run (another model) share neither the step cache
-    # nor the baseline run: they go to either worker.
+    # The stop-signal tests and the default job's run (other models) share neither the
+    # launcher tests' step cache nor their baseline run.
     (r"tests/test_launch\.py::(?!test_a_stop_signal_|test_the_default_jobs_)", "launch"),
+    # The two stop signals' runs: one config, so the second reuses the first's compiled steps.
+    (r"tests/test_launch\.py::test_a_stop_signal_", "stop_signal"),
     (r"tests/test_convert\.py::", "convert"),  # the imported runs, module fixtures
     (r"tests/test_tpu_aot\.py::", "tpu_aot"),
     (r"tests/test_metrics_tensorboard\.py::", "metrics_tensorboard"),

@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import sysconfig
+import threading
 import time
 from typing import NamedTuple
 
@@ -860,14 +861,26 @@ def _fill(folder: str, leave_bytes: int) -> str:
   return path
 
 
+def _orbax_commits_waiting(within_s: float = 30.0) -> list[str]:
+  """The names of orbax's commit threads (`_SignalingThread`) still alive `within_s` seconds
+  on: a failed save's writes left waiting for a signal that never comes (their coroutines
+  never run, a RuntimeWarning each when collected)."""
+  deadline = time.time() + within_s
+  threads = [t for t in threading.enumerate() if type(t).__name__ == "_SignalingThread"]
+  for thread in threads:  # Thread's own join: orbax's raises the thread's error
+    threading.Thread.join(thread, max(0.0, deadline - time.time()))
+  return [t.name for t in threads if t.is_alive()]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("failure", ["read_only", "disk_full"])
 def test_failed_checkpoint_write_stops_in_one_line_and_keeps_the_previous(baseline, tmp_path,
                                                                           failure):
   """After step 4's checkpoint the folder turns read-only, or fills up with room for half a
   checkpoint (the save at step 8 then fails part-way): the run stops with one line naming
-  the newest intact checkpoint; once the folder is fixed the rerun resumes from it, with the
-  uninterrupted run's losses, whatever the failed save left."""
+  the newest intact checkpoint, and none of the failed save's writes is left waiting; once
+  the folder is fixed the rerun resumes from it, with the uninterrupted run's losses, whatever
+  the failed save left."""
   workdir = str(tmp_path / "run")
   checkpoints = os.path.join(workdir, "checkpoints")
   with _tmpfs(checkpoints) as remount:
@@ -882,6 +895,7 @@ def test_failed_checkpoint_write_stops_in_one_line_and_keeps_the_previous(baseli
                                         r"or fix "
                                         r"the folder's permissions, then rerun to resume\.$"):
       trainer.train_and_evaluate(settings_of(run_config()), workdir)
+    assert _orbax_commits_waiting() == []
     if ballast:
       os.remove(ballast)
     else:

@@ -147,9 +147,15 @@ class Checkpoints:
 
   def __init__(self, workdir: str, *, keep: int, every: int):
     self.directory = os.path.join(os.path.abspath(workdir), "checkpoints")
+    # The save's temporary folder is made before `save` returns, not by a background thread:
+    # when that thread fails (a read-only folder), the save's writes, started beside it, wait
+    # for its signal until orbax's coordination timeout and are never run, their coroutines
+    # dropped unawaited (a RuntimeWarning each when collected). Made in `save`, a folder that
+    # cannot be written fails there, before any write starts.
     self._manager = ocp.CheckpointManager(
-        self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=keep,
-                                                             save_interval_steps=every))
+        self.directory, options=ocp.CheckpointManagerOptions(
+            max_to_keep=keep, save_interval_steps=every,
+            async_options=ocp.AsyncOptions(create_directories_asynchronously=False)))
     self.writing: int | None = None  # the step of the save started last, until `wait`
 
   @staticmethod
