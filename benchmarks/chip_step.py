@@ -6,10 +6,10 @@ matmul backend, and peak memory per MoE buffer variant.
       [--profile_dir=DIR] [--results=chip_step] [--config.KEY=VALUE ...]
 
 Each case runs in a process of its own, so that the device's `peak_bytes_in_use` is that one
-program's: the train step of `launch.training.steps.make_steps` (what `launch.train` runs),
+program's: the train step of `launch.model.train_step.make_steps` (what `launch.train` runs),
 compiled ahead of time first (its `memory_analysis()`, what `launch.aot`'s table reports) and
 then run `--warmup` steps plus `--steps` timed ones on synthetic tokens. Speed: tokens/s, model
-TFLOP/s per chip and MFU as the trainer counts them (`launch.training.throughput`: 6 x active
+TFLOP/s per chip and MFU as the trainer counts them (`launch.run.throughput`: 6 x active
 parameters x tokens plus attention, no remat recompute, over the chip's dense bf16 peak).
 Memory cases set the MoE buffer: `capped` (factor 0.75 without a fallback: drops rows),
 `fallback` (0.75 with the layer fallback: every MoE layer of every step overflows and runs
@@ -29,7 +29,7 @@ import subprocess
 import sys
 import time
 
-from launch import platform, results, settings as settings_lib
+from launch.setup import platform, results, settings as settings_lib
 
 # Memory cases: the MoE layers' overrides (the factor below 1 overflows even one expert
 # shard, whose worst case is its balanced load).
@@ -73,7 +73,8 @@ def measure(config, steps: int, warmup: int, profile_dir: str = "", keep_hlo: bo
   import jax
   import numpy as np
   import moe_hk
-  from launch.training import memory, steps as steps_lib, throughput
+  from launch.model import memory, train_step as steps_lib
+  from launch.run import throughput
   settings = settings_lib.build(config, jax.device_count())
   mesh = moe_hk.make_mesh(**settings.mesh, devices=jax.devices())
   program = steps_lib.make_steps(settings, mesh)

@@ -1,4 +1,4 @@
-"""launch.training.attention: the XLA and splash forms against a dense reference (outputs and
+"""launch.model.attention: the XLA and splash forms against a dense reference (outputs and
 gradients), the splash form compiled for a v5p topology, and the choice of form per platform.
 
 The cuDNN form is not tested here: `jax.nn.dot_product_attention(implementation='cudnn')` does
@@ -15,11 +15,11 @@ from jax.sharding import NamedSharding
 
 import moe_hk
 from launch.compiling import topology
-from launch import choices
-from launch.training import attention
+from launch.model import attention
+from launch.model.train_step import make_steps
+from launch.model.transformer import REMAT_POLICIES
+from launch.setup import choices
 from moe_hk import mesh as mesh_lib
-from launch.training.model import REMAT_POLICIES
-from launch.training.steps import make_steps
 from tests.helpers import require_libtpu, settings_of, tiny_config
 from tests.tree_close import assert_trees_close
 

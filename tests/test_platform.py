@@ -1,5 +1,5 @@
-"""`launch.platform`: jax on the TPU or GPU when one can be present, else N simulated CPUs, chosen
-before any backend starts; `launch.aot`'s CPU device count per topology."""
+"""`launch.setup.platform`: jax on the TPU or GPU when one can be present, else N simulated CPUs,
+chosen before any backend starts; `launch.aot`'s CPU device count per topology."""
 import os
 import subprocess
 import sys
@@ -7,8 +7,8 @@ import sys
 import jax
 import pytest
 
-from launch import platform
 from launch.compiling import topology as topology_lib
+from launch.setup import platform
 from tests.helpers import ROOT, require_libtpu
 
 

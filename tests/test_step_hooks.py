@@ -1,4 +1,4 @@
-"""The trainer's finished steps as records (`launch.training.step_record`), handed by the
+"""The trainer's finished steps as records (`launch.run.records`), handed by the
 `Reporter` to every consumer registered in `Hooks`, in order, each step before the fetch; how a
 fetch's time may be read; the `Totals` consumer; the trainer's own consumers and their order.
 Host-only: fake fetched outputs, no compile."""
@@ -7,10 +7,10 @@ import types
 import numpy as np
 import pytest
 
-from launch.training import console as console_lib, step_consumers, trainer
-from launch.training.loop import Run
-from launch.training.reporter import Pending, Reporter
-from launch.training.step_hooks import Hook, Hooks
+from launch.run import console as console_lib, consumers, trainer
+from launch.run.hooks import Hook, Hooks
+from launch.run.loop import Run
+from launch.run.reporter import Pending, Reporter
 from moe_hk.stats import MoEStats
 from tests.helpers import settings_of, tiny_config
 
@@ -147,7 +147,7 @@ def test_a_name_is_registered_once():
 
 
 def test_totals_count_the_run():
-  totals = step_consumers.Totals()
+  totals = consumers.Totals()
   hooks = Hooks()
   hooks.add("totals", totals)
   reporter = Reporter(hooks, lambda: (0, False))
@@ -214,7 +214,7 @@ def _trainer_hooks(workdir, config, log: list, *, pilot: bool) -> Hooks:
   run = Run(settings, str(workdir), mesh=None, data=data, steps=None, console=console,
             checkpoints=None, restored=None)
   state = types.SimpleNamespace(params={})  # no parameters: the MFU is not the subject here
-  return trainer._hooks(run, step_consumers.Totals(), world, world, world,
+  return trainer._hooks(run, consumers.Totals(), world, world, world,
                         world if pilot else None, state)
 
 

@@ -21,7 +21,7 @@ compiles a candidate's train step off the training thread, checks its memory aga
 (a program over it is refused for good: `Evidence.refused`) and hands it over at a step
 boundary; parameters and optimiser state are untouched (only the MoE buffers change), and
 with a fallback every factor is dropless, so no switch changes the math. Host-only: the
-compiler is handed in (`launch.training.programs`).
+compiler is handed in (`launch.compiling.programs`).
 """
 from __future__ import annotations
 
