@@ -89,7 +89,7 @@ def measure(config, steps: int, warmup: int, profile_dir: str = "", keep_hlo: bo
   first_loss = None
   for i in range(warmup):
     state, out = compiled(state, batches[i % 4])
-    first_loss = float(out["loss"]) if first_loss is None else first_loss
+    first_loss = float(out.loss) if first_loss is None else first_loss
   jax.block_until_ready(state)
   if profile_dir:
     jax.profiler.start_trace(profile_dir)
@@ -110,8 +110,8 @@ def measure(config, steps: int, warmup: int, profile_dir: str = "", keep_hlo: bo
       "seconds_per_step": seconds, "compile_seconds": compile_s,
       "tokens_per_second": config.data.batch_size * config.data.seq_len / seconds,
       "model_tflops_per_device": tflops, "mfu": mfu, "model_flops_per_step": flops,
-      "first_loss": first_loss, "last_loss": float(out["loss"]),
-      "fallback_layers_last_step": int(np.sum(out["moe_stats"].fallback)),
+      "first_loss": first_loss, "last_loss": float(out.loss),
+      "fallback_layers_last_step": int(np.sum(out.moe_stats.fallback)),
       "peak_bytes_in_use": stats.get("peak_bytes_in_use"),
       "bytes_limit": stats.get("bytes_limit"),
       "aot_total_bytes": memory.total_memory_bytes(compiled),

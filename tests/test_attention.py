@@ -135,7 +135,7 @@ def test_the_train_step_with_splash_runs_under_every_remat_policy(monkeypatch):
     steps = make_steps(settings_of(config), moe_hk.make_mesh(**config.mesh))
     state, out = steps.train(steps.init(jax.random.key(0)),
                              jax.device_put(batch, steps.batch_sharding))
-    return jax.device_get((out["loss"], out["grad_norm"], state.params,
+    return jax.device_get((out.loss, out.grad_norm, state.params,
                            steps.eval_loss(state.params, batch)))
   expected = one_step("xla", "none")
   for policy in REMAT_POLICIES:

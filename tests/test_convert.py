@@ -164,7 +164,7 @@ def test_finetune_starts_at_transformers_loss(imported):
   losses = []
   for _ in range(4):
     state, out = steps.train(state, batch)
-    losses.append(float(out["loss"]))
+    losses.append(float(out.loss))
   assert losses[0] == pytest.approx(want, rel=1e-5)
   assert losses[-1] < losses[0]
 

@@ -237,7 +237,7 @@ def test_an_interval_is_written_while_the_next_step_runs(baseline, tmp_path, mon
   def recorded(self, pending, **kwargs):
     if pending:
       fetches.append(([p.step for p in pending], dispatched[0]))
-    flush(self, pending, **kwargs)
+    return flush(self, pending, **kwargs)
   monkeypatch.setattr(trainer, "make_steps", counted)
   monkeypatch.setattr(reporter_lib.Reporter, "flush", recorded)
   # log_every=2; a checkpoint after step 0 (the first), eval and checkpoint after steps 3
@@ -319,7 +319,7 @@ def test_step_mode_matches_layer_fallback(baseline, tmp_path):
   batch = jax.device_put(np.zeros((config.data.batch_size, config.data.seq_len + 1), np.int32),
                          steps.batch_sharding)
   _, out = steps.train(state, batch)
-  assert out["dropless"].dtype == bool
+  assert out.dropless.dtype == bool
   assert all(leaf.is_deleted() for leaf in jax.tree.leaves(state))
 
 

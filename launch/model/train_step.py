@@ -22,6 +22,7 @@ from launch.model import memory, sharding, spikes as spikes_lib
 from launch.model.transformer import Transformer, cross_entropy
 from launch.setup.settings import Settings
 from moe_hk import step_mode as step_mode_lib
+from moe_hk.stats import MoEStats
 
 
 class TrainState(NamedTuple):
@@ -33,10 +34,29 @@ class TrainState(NamedTuple):
   spikes: spikes_lib.SpikeWindow | None = None
 
 
+class StepOutputs(NamedTuple):
+  """What a train step returns beside the new state: scalars `[]` and the MoE layers' stats,
+  on the device until the loop fetches them (`launch.run.records` reads them on the host)."""
+  loss: jax.Array               # float32 cross-entropy
+  grad_norm: jax.Array          # float32 global gradient norm
+  learning_rate: jax.Array      # float32: the schedule's rate at the step
+  # bool: the loss or gradient norm was not finite (with `config.skip_nonfinite_steps` the
+  # step then left params and optimizer state unchanged)
+  skipped: jax.Array
+  moe_stats: MoEStats           # fields `[layers, ...]`
+  # With `config.spikes.enabled`: the step's spike test (a spike left params and optimizer
+  # state unchanged too); None without.
+  spike: spikes_lib.SpikeCheck | None = None
+  # In `moe.moe_dropless_fallback='step'` mode, bool: a MoE layer overflowed, so the step ran
+  # every MoE layer from that one on the chunked dropless path (`moe_hk.step_mode`); None in
+  # the other modes.
+  dropless: jax.Array | None = None
+
+
 class Steps(NamedTuple):
   """Jitted functions of one (config, mesh) and the shardings they use."""
   init: Callable[[jax.Array], TrainState]                      # rng -> state
-  train: Callable[[TrainState, jax.Array], tuple[TrainState, dict]]
+  train: Callable[[TrainState, jax.Array], tuple[TrainState, StepOutputs]]
   eval_loss: Callable[[hk.Params, jax.Array], jax.Array]
   state_sharding: Any
   batch_sharding: NamedSharding
@@ -98,49 +118,38 @@ def _transformed(settings: Settings, mesh: Mesh) -> hk.Transformed:
 
 def _train_step(model: hk.Transformed, config, tx: optax.GradientTransformation,
                 schedule: optax.Schedule, step_mode: bool) -> Callable:
-  """`(state, batch [B, S + 1]) -> (state, outputs)`, not jitted: `make_steps` says what the
-  outputs hold."""
+  """`(state, batch [B, S + 1]) -> (state, StepOutputs)`, not jitted."""
   spiking = config.spikes.enabled
 
   def train_step(state, batch):
     loss = functools.partial(loss_fn, model, config)
     (total, (ce, stats)), gradients = jax.value_and_grad(loss, has_aux=True)(
         state.params, batch, state.step)
-    extra = {"dropless": step_mode_lib.any_overflow(stats)} if step_mode else {}
+    dropless = step_mode_lib.any_overflow(stats) if step_mode else None
     grad_norm = optax.tree.norm(gradients)
     updates, opt_state = tx.update(gradients, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     finite = jnp.isfinite(total) & jnp.isfinite(grad_norm)
     keep_old = ~finite if config.skip_nonfinite_steps else jnp.zeros((), bool)
-    window = state.spikes
+    window, test = state.spikes, None
     if spiking:
       test = spikes_lib.check(window, ce, grad_norm, config.spikes.sigma)
       keep_old = keep_old | test.spike
       window = spikes_lib.push(window, ce, grad_norm, ~keep_old)
-      extra.update(spike=test.spike, spike_mean=test.mean, spike_std=test.std)
     if config.skip_nonfinite_steps or spiking:
       # One select per leaf, fused into the update on the donated buffers: a skipped step
       # keeps the params and optimizer state it was given.
       keep = lambda new, old: jnp.where(keep_old, old, new)
       params, opt_state = jax.tree.map(keep, (params, opt_state), (state.params, state.opt_state))
     new_state = TrainState(state.step + 1, params, opt_state, window)
-    return new_state, {"loss": ce, "grad_norm": grad_norm, "skipped": ~finite,
-                       "learning_rate": schedule(state.step), "moe_stats": stats, **extra}
+    return new_state, StepOutputs(ce, grad_norm, schedule(state.step), ~finite, stats, test,
+                                  dropless)
   return train_step
 
 
 def make_steps(settings: Settings, mesh: Mesh) -> Steps:
   """Builds the jitted steps of `settings` (its model, optimizer and MoE layers) on `mesh`;
-  the train step donates the state. Its outputs hold `loss` (cross-entropy), `grad_norm`,
-  `learning_rate`, the MoE layers' `moe_stats` (fields `[layers, ...]`) and `skipped` (bool
-  scalar: the loss or gradient norm was not finite; with `config.skip_nonfinite_steps` the
-  step then left params and optimizer state unchanged); with `config.spikes.enabled`, `spike`
-  (the step's loss or gradient norm spiked, so it left them unchanged too) with the window's
-  `spike_mean` and `spike_std` `[2]` (loss, gradient norm). In
-  `moe.moe_dropless_fallback='step'` mode a step in which a MoE layer overflowed runs every
-  MoE layer from that one on the chunked dropless path (`moe_hk.step_mode`); its outputs
-  then hold `dropless` (bool scalar: the step ran dropless from an overflowing layer on).
-  `launch.run.records` reads them on the host."""
+  the train step donates the state and returns its `StepOutputs`."""
   config, layer_config = settings.config, settings.layer
   tx, schedule = make_optimizer(config)
   batch_sharding = NamedSharding(mesh, P(tuple(mesh.axis_names)))

@@ -1,5 +1,8 @@
 """The consumers of the trainer's finished steps (`launch.run.hooks.Hook`s), each with
-one job: what they write, count or decide from a `StepRecord` or an `IntervalRecord`.
+one job: what they write, count or decide from a `StepRecord` or an `IntervalRecord`. Each
+keeps its own counts and reads no other consumer; their order (`launch.run.trainer._hooks`)
+matters only for what they hand on: the evidence the MoE telemetry fills before the autopilot
+decides, the alerts' order, the writes before the writer's flush.
 """
 from __future__ import annotations
 
@@ -32,14 +35,12 @@ class Speed(NamedTuple):
 
 
 class Totals(Hook):
-  """What the run did so far: the console's summary, the loop's stop after too many skipped
-  steps in a row, the training losses `train_and_evaluate` returns."""
+  """What the run did since it started: the console's summary, the training losses
+  `train_and_evaluate` returns."""
 
   def __init__(self):
     self.losses: list[float] = []
     self.steps = self.fallback_steps = self.dropped_rows = self.skipped = self.spikes = 0
-    self.consecutive_skipped = 0  # steps in a row whose update was skipped (or spiked)
-    self.eval_loss: float | None = None
 
   def on_step(self, record: StepRecord) -> None:
     self.losses.append(record.loss)
@@ -48,7 +49,6 @@ class Totals(Hook):
     self.dropped_rows += record.dropped_rows
     self.skipped += record.skipped
     self.spikes += record.spiked
-    self.consecutive_skipped = self.consecutive_skipped + 1 if record.unapplied else 0
 
 
 class MoETelemetry(Hook):
@@ -70,20 +70,22 @@ class MoETelemetry(Hook):
 
 
 class TrainScalars(Hook):
-  """Each step's `train/` scalars (and the factor in force, `with_factor`); each fetch's last
-  step also gets the fetch's rates (its model FLOP rate and MFU only when timed)."""
+  """Each step's `train/` scalars (and the factor in force, `with_factor`), with the steps
+  skipped so far since the run started (non-finite; caught as spikes); each fetch's last step
+  also gets the fetch's rates (its model FLOP rate and MFU only when timed)."""
 
-  def __init__(self, writer: metrics.MoEMetricsWriter, totals: Totals, speed: Speed, *,
-               with_factor: bool):
-    self.writer, self.totals, self.speed = writer, totals, speed
+  def __init__(self, writer: metrics.MoEMetricsWriter, speed: Speed, *, with_factor: bool):
+    self.writer, self.speed = writer, speed
     self.with_factor = with_factor
+    self.skipped = self.spikes = 0
 
   def on_step(self, record: StepRecord) -> None:
+    self.skipped += record.skipped
+    self.spikes += record.spiked
     scalars = {"train/loss": record.loss, "train/grad_norm": record.grad_norm,
-               "train/learning_rate": record.learning_rate,
-               "train/skipped_steps": self.totals.skipped}
+               "train/learning_rate": record.learning_rate, "train/skipped_steps": self.skipped}
     if record.spike is not None:
-      scalars["train/spike_skipped_steps"] = self.totals.spikes
+      scalars["train/spike_skipped_steps"] = self.spikes
     if self.with_factor:
       scalars[tags.FACTOR_IN_FORCE_TAG] = record.factor
     self.writer.write_scalars(record.step, scalars)
@@ -152,12 +154,15 @@ class TrafficRecording(Hook):
 
 
 class AutopilotSteps(Hook):
-  """Each finished step to the buffer-factor autopilot, once the evidence holds it."""
+  """Each finished step to the buffer-factor autopilot, once the evidence holds it, with the
+  time of a step that compiled its program (a move's cost)."""
 
   def __init__(self, pilot: autopilot.Autopilot, train_steps: int):
     self.pilot, self.train_steps = pilot, train_steps
 
   def on_step(self, record: StepRecord) -> None:
+    if record.compile_seconds is not None:
+      self.pilot.saw_compile(record.compile_seconds)
     self.pilot.step_finished(steps_left=self.train_steps - record.step - 1)
 
 

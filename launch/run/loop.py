@@ -4,6 +4,9 @@ The host runs ahead of the device: each step is dispatched, its outputs left on 
 `Pending`, and fetched in one transfer at a log boundary (or before an eval, a checkpoint or a
 stop), where the `Reporter` hands their records to the run's consumers. A plain log boundary's
 fetch waits until the next step is dispatched, so the device computes while the host writes.
+The loop names no consumer: what it needs of the steps (how many in a row the state did not
+take) it reads from the fetches' records, and what it measures itself (the first step's
+compile, the eval loss) it keeps or puts in a record.
 """
 from __future__ import annotations
 
@@ -16,11 +19,11 @@ import numpy as np
 import metrics
 from launch.checkpoints.store import Checkpoints, Restored, Stateful
 from launch.data import loader as data_lib
-from launch.model.train_step import Steps
+from launch.model.train_step import StepOutputs, Steps
 from launch.planning import autopilot
 from launch.run import console as console_lib, trainer_alerts
-from launch.run.consumers import Totals
-from launch.run.reporter import Pending, Reporter
+from launch.run.records import Pending
+from launch.run.reporter import Reporter
 from launch.run.stop_request import StopRequest
 from launch.setup.errors import UserError
 from launch.setup.settings import Settings
@@ -41,23 +44,32 @@ class Run(NamedTuple):
 class Loop:
   """The steps of one run from its first to its last or a stop: dispatch, fetch (the
   `reporter` hands the records to the run's consumers), eval (to `writer`), checkpoint (the
-  train state and `parts`, `launch.checkpoints.store`) (`run`). `totals` is the consumer
-  that counts what the run did; `pilot` the autopilot, which may switch programs between
-  steps."""
+  train state and `parts`, `launch.checkpoints.store`) (`run`). `pilot` is the autopilot,
+  which may switch programs between steps."""
 
-  def __init__(self, run: Run, state, reporter: Reporter, totals: Totals,
-               writer: metrics.MoEMetricsWriter, parts: Mapping[str, Stateful],
-               pilot: autopilot.Autopilot | None, stop_after: int | None):
+  def __init__(self, run: Run, state, reporter: Reporter, writer: metrics.MoEMetricsWriter,
+               parts: Mapping[str, Stateful], pilot: autopilot.Autopilot | None,
+               stop_after: int | None):
     self.run_ = run
     self.config = run.settings.config
     self.state = state
-    self.reporter, self.totals, self.writer = reporter, totals, writer
+    self.reporter, self.writer = reporter, writer
     self.parts = parts
     self.pilot = pilot
     self.stop_after = stop_after
     self.stop = StopRequest()
     self.pending: list[Pending] = []
     self.first = int(state.step)
+    self.unapplied = 0  # fetched steps in a row whose update was skipped (or spiked)
+    self.eval_loss: float | None = None  # the last eval's
+
+  def _flush(self, pending: list[Pending], stopping: bool = False, cut_short: bool = False
+             ) -> None:
+    """Has the reporter fetch and report `pending` (`Reporter.flush`); counts the steps in a
+    row the state did not take."""
+    interval = self.reporter.flush(pending, stopping=stopping, cut_short=cut_short)
+    if interval is not None:
+      self.unapplied = interval.unapplied_in_a_row(self.unapplied)
 
   def save(self, step: int) -> None:
     self.run_.checkpoints.save(step, self.state, self.parts)
@@ -66,11 +78,11 @@ class Loop:
     """After a fetch through step `fetched`, with steps up to `step` dispatched: once too
     many steps in a row were skipped, fetches the rest and stops the run with a checkpoint at
     `step + 1`."""
-    skipped, limit = self.totals.consecutive_skipped, self.config.max_consecutive_nonfinite
+    skipped, limit = self.unapplied, self.config.max_consecutive_nonfinite
     if not ((self.config.skip_nonfinite_steps or self.config.spikes.enabled) and
             skipped >= limit):
       return
-    self.reporter.flush(self.pending, stopping=True, cut_short=True)
+    self._flush(self.pending, stopping=True, cut_short=True)
     self.save(step + 1)
     self.run_.checkpoints.wait()
     raise UserError(
@@ -85,25 +97,28 @@ class Loop:
     return jax.make_array_from_process_local_data(
         self.run_.steps.batch_sharding, rows, (self.config.data.batch_size, *rows.shape[1:]))
 
-  def _first_step(self, train, batch):
-    """Runs the first step, which compiles, and says how long it took."""
+  def _dispatch(self, train, batch: jax.Array, first: bool
+                ) -> tuple[StepOutputs, float | None]:
+    """Dispatches one step on `batch [B, S + 1]`; returns its outputs and, for the `first`,
+    which compiles and is waited for, how long it took (None for the others)."""
+    if not first:
+      self.state, out = train(self.state, batch)
+      return out, None
     console = self.run_.console
     console.line("compiling the train step (it runs once compiled) ...")
     started = time.perf_counter()
     self.state, out = train(self.state, batch)
-    jax.block_until_ready(out["loss"])
+    jax.block_until_ready(out.loss)
     seconds = time.perf_counter() - started
     console.line(f"first step: {seconds:.1f} s (compilation included)")
-    if self.pilot is not None:
-      self.pilot.compile_seconds = max(self.pilot.compile_seconds, seconds)
-    return out
+    return out, seconds
 
   def _evaluate(self, step: int) -> None:
     config, run = self.config, self.run_
     loss = float(np.mean([run.steps.eval_loss(self.state.params,
                                               self._batch(run.data.eval_batch(i)))
                           for i in range(config.eval_batches)]))
-    self.totals.eval_loss = loss
+    self.eval_loss = loss
     self.writer.write_scalars(step, {"eval/loss": loss})
     self.reporter.disturbed()
 
@@ -111,22 +126,18 @@ class Loop:
     """Trains from the state's step to `config.train_steps`, or to a stop. An interval
     fetched at a plain log boundary waits until the next step is dispatched, so the device
     computes that step while the host writes the interval's points."""
-    reporter = self.reporter
     deferred: list[Pending] = []
     for step in range(self.first, self.config.train_steps):
       switched = None if self.pilot is None else self.pilot.switch(step)
       if switched is not None:
         train, factor = switched.step, switched.factor
       batch = self._batch(self.run_.data.train_batch(step))
-      if step == self.first:
-        out = self._first_step(train, batch)
-      else:
-        self.state, out = train(self.state, batch)
+      out, compile_seconds = self._dispatch(train, batch, first=step == self.first)
       fetched = deferred[-1].step if deferred else None
-      reporter.flush(deferred)
+      self._flush(deferred)
       if switched is not None:
-        reporter.disturbed()
-      self.pending.append(Pending(step, out, factor))
+        self.reporter.disturbed()
+      self.pending.append(Pending(step, out, factor, compile_seconds))
       if fetched is not None:
         self.stop_if_nonfinite(fetched, step)
       if self._after_step(step, deferred):
@@ -144,8 +155,8 @@ class Loop:
     if boundary and not (evaluate or saving or stopping):
       deferred[:], self.pending = self.pending, []
     elif boundary or stopping:
-      reporter.flush(self.pending, stopping=stopping and not done,
-                     cut_short=stopping and not boundary)
+      self._flush(self.pending, stopping=stopping and not done,
+                  cut_short=stopping and not boundary)
       self.stop_if_nonfinite(step, step)
     if evaluate:
       self._evaluate(step)

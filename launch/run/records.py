@@ -1,9 +1,9 @@
 """The records the training loop hands its consumers: one per finished step, one per fetch.
 
-The train step's outputs (`launch.model.train_step.make_steps`) stay on the device until the loop
-fetches a batch of them; `step_records` turns each fetched step into a `StepRecord` (host
-values only), once, and the fetch becomes an `IntervalRecord`. Every consumer
-(`launch.run.hooks`) reads these and nothing else of the step.
+The train step's outputs (`launch.model.train_step.StepOutputs`) stay on the device as a
+`Pending` step until the loop fetches a batch of them; `step_records` turns each fetched step
+into a `StepRecord` (host values only), once, and the fetch becomes an `IntervalRecord`. Every
+consumer (`launch.run.hooks`) reads these and nothing else of the step.
 """
 from __future__ import annotations
 
@@ -11,7 +11,19 @@ from typing import NamedTuple, Sequence
 
 import numpy as np
 
+from launch.model.spikes import SpikeCheck
+from launch.model.train_step import StepOutputs
 from moe_hk.stats import MoEStats
+
+
+class Pending(NamedTuple):
+  """A step whose outputs are still on the device."""
+  step: int
+  outputs: StepOutputs   # device arrays
+  factor: float          # the ragged_buffer_factor of the program that ran it
+  # The step compiled its program: the seconds it took, compile included; None: it ran one
+  # already compiled.
+  compile_seconds: float | None = None
 
 
 class Spike(NamedTuple):
@@ -33,6 +45,7 @@ class StepRecord(NamedTuple):
   spike: Spike | None           # None: spike detection is off
   dropless: bool | None         # step mode: it ran dropless from an overflowing layer on
   moe_stats: MoEStats           # numpy, fields `[layers, ...]`
+  compile_seconds: float | None  # it compiled its program: its seconds, compile included
 
   @property
   def fell_back(self) -> bool:
@@ -72,20 +85,26 @@ class IntervalRecord(NamedTuple):
     """The buffer factors its steps ran."""
     return {r.factor for r in self.steps}
 
+  def unapplied_in_a_row(self, before: int) -> int:
+    """The steps in a row through its last whose update the state did not take (`unapplied`),
+    `before` such steps in a row having ended just before its first."""
+    count = before
+    for record in self.steps:
+      count = count + 1 if record.unapplied else 0
+    return count
 
-def _spike(out: dict) -> Spike | None:
-  if "spike" not in out:
+
+def _spike(check: SpikeCheck | None) -> Spike | None:
+  if check is None:
     return None
-  return Spike(bool(out["spike"]), tuple(map(float, out["spike_mean"])),
-               tuple(map(float, out["spike_std"])))
+  return Spike(bool(check.spike), tuple(map(float, check.mean)), tuple(map(float, check.std)))
 
 
-def step_records(steps: Sequence[int], factors: Sequence[float], fetched: Sequence[dict]
+def step_records(pending: Sequence[Pending], fetched: Sequence[StepOutputs]
                  ) -> list[StepRecord]:
-  """The records of steps `steps`, run at `factors`, from their fetched (numpy) outputs."""
+  """The records of the `pending` steps from their fetched (numpy) outputs, in order."""
   return [StepRecord(
-      step=step, factor=float(factor), loss=float(out["loss"]),
-      grad_norm=float(out["grad_norm"]), learning_rate=float(out["learning_rate"]),
-      skipped=bool(out["skipped"]), spike=_spike(out),
-      dropless=bool(out["dropless"]) if "dropless" in out else None,
-      moe_stats=out["moe_stats"]) for step, factor, out in zip(steps, factors, fetched)]
+      step=p.step, factor=float(p.factor), loss=float(out.loss), grad_norm=float(out.grad_norm),
+      learning_rate=float(out.learning_rate), skipped=bool(out.skipped), spike=_spike(out.spike),
+      dropless=None if out.dropless is None else bool(out.dropless), moe_stats=out.moe_stats,
+      compile_seconds=p.compile_seconds) for p, out in zip(pending, fetched)]

@@ -13,19 +13,12 @@ switch of program, the autopilot's background compile) says nothing of a step's 
 from __future__ import annotations
 
 import time
-from typing import Callable, NamedTuple
+from typing import Callable
 
 import jax
 
 from launch.run.hooks import Hooks
-from launch.run.records import IntervalRecord, step_records
-
-
-class Pending(NamedTuple):
-  """A step whose outputs are still on the device."""
-  step: int
-  outputs: dict        # loss, grad_norm, learning_rate, skipped, moe_stats (device arrays)
-  factor: float        # the ragged_buffer_factor of the program that ran it
+from launch.run.records import IntervalRecord, Pending, step_records
 
 
 class Reporter:
@@ -47,17 +40,17 @@ class Reporter:
     self._disturbed = True
 
   def flush(self, pending: list[Pending], stopping: bool = False, cut_short: bool = False
-            ) -> None:
-    """Fetches and reports `pending` (then empties it); `stopping`: the run stops after it
-    (its progress line shows no ETA); `cut_short`: a stop ended it before its boundary (no
-    speed either)."""
+            ) -> IntervalRecord | None:
+    """Fetches and reports `pending` (then empties it); returns the fetch's record (None when
+    nothing was pending). `stopping`: the run stops after it (its progress line shows no
+    ETA); `cut_short`: a stop ended it before its boundary (no speed either)."""
     if not pending:
-      return
+      return None
     fetched = jax.device_get([p.outputs for p in pending])
     # From fetch to fetch: the interval's time includes the host's work for the one before.
     now = time.perf_counter()
     seconds, self._since = now - self._since, now
-    records = step_records([p.step for p in pending], [p.factor for p in pending], fetched)
+    records = step_records(pending, fetched)
     for record in records:
       self.hooks.step(record)
     # After the steps' consumers: a compile the autopilot started on them disturbs the interval.
@@ -67,6 +60,7 @@ class Reporter:
     self._compiled = True
     self.hooks.interval(interval)
     pending.clear()
+    return interval
 
   def _timed_cleanly(self) -> bool:
     """Whether the interval just fetched timed its steps alone: it was not the first, nothing

@@ -156,15 +156,14 @@ def train_and_evaluate(settings: Settings, workdir: str, stop_after: int | None 
   state = run.steps.init(jax.random.key(config.seed)) if restored is None else restored.state
   alerts_before = _alerts_written(workdir)
   started = time.perf_counter()
-  loop = _train(run, state, stop_after)
-  _summary(run, loop.totals, loop.first, time.perf_counter() - started,
+  loop, totals = _train(run, state, stop_after)
+  _summary(run, totals, loop, time.perf_counter() - started,
            _alerts_written(workdir) - alerts_before)
   run.checkpoints.close()
   if loop.stop.interrupted:
-    raise Interrupted(f"stopped by Ctrl-C after step "
-                      f"{loop.first + len(loop.totals.losses) - 1} with a checkpoint; the "
-                      "same command resumes.")
-  return loop.totals.losses
+    raise Interrupted(f"stopped by Ctrl-C after step {loop.first + len(totals.losses) - 1} "
+                      "with a checkpoint; the same command resumes.")
+  return totals.losses
 
 
 def not_recorded(config) -> list[str]:
@@ -195,11 +194,11 @@ def _finish_checkpoint(run: Run, state) -> None:
   run.console.line(f"checkpoint {step} written ({time.perf_counter() - started:.1f} s)")
 
 
-def _train(run: Run, state, stop_after: int | None) -> Loop:
+def _train(run: Run, state, stop_after: int | None) -> tuple[Loop, consumers.Totals]:
   """Opens the run's writers and telemetry, resumes what the checkpoint holds and runs the
-  loop; returns it, finished. The run's `Evidence` is made here and handed to what reads and
-  writes it: the MoE telemetry (each step), the interval timings (each clean fetch) and the
-  autopilot (the factor in force, refused factors)."""
+  loop; returns it, finished, with the totals of what it trained. The run's `Evidence` is made
+  here and handed to what reads and writes it: the MoE telemetry (each step), the interval
+  timings (each clean fetch) and the autopilot (the factor in force, refused factors)."""
   settings, layer, workdir = run.settings, run.settings.layer, run.workdir
   worst = buffer_size.worst_case_factor(layer.num_experts, layer.num_experts_per_tok,
                                         settings.expert_shards)
@@ -225,8 +224,7 @@ def _train(run: Run, state, stop_after: int | None) -> Loop:
       hooks = _hooks(run, totals, writer, moe_metrics, evidence, pilot, state)
       compiles = lambda: (0, False) if pilot is None else (pilot.cache.compiled,
                                                           pilot.cache.busy())
-      loop = Loop(run, state, Reporter(hooks, compiles), totals, writer, parts, pilot,
-                  stop_after)
+      loop = Loop(run, state, Reporter(hooks, compiles), writer, parts, pilot, stop_after)
       try:
         loop.run(train, factor)
         _finish_checkpoint(run, loop.state)
@@ -235,17 +233,16 @@ def _train(run: Run, state, stop_after: int | None) -> Loop:
   finally:
     if pilot is not None:
       pilot.cache.close()
-  return loop
+  return loop, totals
 
 
 def _hooks(run: Run, totals: consumers.Totals, writer: metrics.MoEMetricsWriter,
            moe_metrics: metrics.MoEMetrics, evidence: Evidence,
            pilot: autopilot.Autopilot | None, state) -> Hooks:
   """The consumers of the run's finished steps, in the order each record reaches them: the
-  totals first (the scalars read them); the MoE telemetry before the autopilot (it puts the
-  step into the evidence the autopilot decides on) and before the skip alerts (a step's
-  overflow alerts come first); the writer's flush after everything written; the console
-  last."""
+  totals first; the MoE telemetry before the autopilot (it puts the step into the evidence the
+  autopilot decides on) and before the skip alerts (a step's overflow alerts come first); the
+  writer's flush after everything written; the console last."""
   config = run.settings.config
   speed = _speed(run.settings, throughput.model_flops(state.params, config, run.settings.layer))
   source = lambda step: trainer_alerts.BatchSource(
@@ -254,8 +251,7 @@ def _hooks(run: Run, totals: consumers.Totals, writer: metrics.MoEMetricsWriter,
   hooks.add("totals", totals)
   if config.moe_metrics:
     hooks.add("moe_telemetry", consumers.MoETelemetry(moe_metrics))
-  hooks.add("train_scalars", consumers.TrainScalars(writer, totals, speed,
-                                                    with_factor=config.moe_metrics))
+  hooks.add("train_scalars", consumers.TrainScalars(writer, speed, with_factor=config.moe_metrics))
   hooks.add("skip_alerts", consumers.SkipAlerts(moe_metrics.alerts, config.spikes, source))
   if pilot is not None:
     hooks.add("autopilot", consumers.AutopilotSteps(pilot, config.train_steps))
@@ -305,13 +301,14 @@ def _recorder(run: Run) -> traffic.TrafficRecorder | None:
       tokens_per_device=_tokens_per_device(config), max_bytes=config.traffic.max_mib * 1024 ** 2)
 
 
-def _summary(run: Run, totals: consumers.Totals, first: int, seconds: float,
-             alerts: int) -> None:
-  """The run's last lines: what it did and where its outputs are."""
-  losses, console = totals.losses, run.console
+def _summary(run: Run, totals: consumers.Totals, loop: Loop, seconds: float, alerts: int
+             ) -> None:
+  """The run's last lines: what it did (`totals`, and the `loop`'s first step and last eval)
+  and where its outputs are."""
+  losses, console, first = totals.losses, run.console, loop.first
   if not losses:
     return
-  evaluated = "" if totals.eval_loss is None else f" (eval {totals.eval_loss:.4g})"
+  evaluated = "" if loop.eval_loss is None else f" (eval {loop.eval_loss:.4g})"
   console.line(
       f"done: steps {first}-{first + len(losses) - 1} in {console_lib.duration(seconds)} | "
       f"loss {losses[-1]:.4g}{evaluated} | fallback in {totals.fallback_steps}/{totals.steps} "
