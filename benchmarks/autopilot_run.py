@@ -29,9 +29,9 @@ import numpy as np
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.util import tensor_util
 
-from launch import platform, results, settings as settings_lib
 from launch.planning import replay
-from launch.training import trainer
+from launch.run import trainer
+from launch.setup import platform, results, settings as settings_lib
 from metrics import factor_rule
 from metrics.traffic import read_traffic
 

@@ -4,7 +4,7 @@ its device ops summed by the part of the model they belong to.
   python -m benchmarks.chip_profile [--config=launch/configs/tpu_chip.py] [--steps=5]
       [--results=chip_profile] [--config.KEY=VALUE ...]
 
-The step is `launch.training.steps.make_steps`' (what `launch.train` runs), compiled and run
+The step is `launch.model.train_step.make_steps`' (what `launch.train` runs), compiled and run
 as `benchmarks.chip_step` runs it; `--steps` steps are traced after the warm-up. Each device op
 of the trace (the TPU's "XLA Ops" line) is matched to its instruction in the compiled program,
 whose metadata holds the jax name stack it came from (`model/groups/block_1/moe/...`,
@@ -26,7 +26,7 @@ import sys
 import tempfile
 
 from benchmarks import chip_step
-from launch import platform, results, settings as settings_lib
+from launch.setup import platform, results, settings as settings_lib
 
 # The step's parts, first match wins: (part, a regular expression searched in the op's name
 # stack, or in its HLO instruction for `hlo:` patterns).

@@ -6,10 +6,10 @@ matmul backend, and peak memory per MoE buffer variant.
       [--profile_dir=DIR] [--results=chip_step] [--config.KEY=VALUE ...]
 
 Each case runs in a process of its own, so that the device's `peak_bytes_in_use` is that one
-program's: the train step of `launch.training.steps.make_steps` (what `launch.train` runs),
+program's: the train step of `launch.model.train_step.make_steps` (what `launch.train` runs),
 compiled ahead of time first (its `memory_analysis()`, what `launch.aot`'s table reports) and
 then run `--warmup` steps plus `--steps` timed ones on synthetic tokens. Speed: tokens/s, model
-TFLOP/s per chip and MFU as the trainer counts them (`launch.training.throughput`: 6 x active
+TFLOP/s per chip and MFU as the trainer counts them (`launch.run.throughput`: 6 x active
 parameters x tokens plus attention, no remat recompute, over the chip's dense bf16 peak).
 Memory cases set the MoE buffer: `capped` (factor 0.75 without a fallback: drops rows),
 `fallback` (0.75 with the layer fallback: every MoE layer of every step overflows and runs
@@ -29,7 +29,7 @@ import subprocess
 import sys
 import time
 
-from launch import platform, results, settings as settings_lib
+from launch.setup import platform, results, settings as settings_lib
 
 # Memory cases: the MoE layers' overrides (the factor below 1 overflows even one expert
 # shard, whose worst case is its balanced load).
@@ -73,7 +73,8 @@ def measure(config, steps: int, warmup: int, profile_dir: str = "", keep_hlo: bo
   import jax
   import numpy as np
   import moe_hk
-  from launch.training import memory, steps as steps_lib, throughput
+  from launch.model import memory, train_step as steps_lib
+  from launch.run import throughput
   settings = settings_lib.build(config, jax.device_count())
   mesh = moe_hk.make_mesh(**settings.mesh, devices=jax.devices())
   program = steps_lib.make_steps(settings, mesh)
@@ -88,7 +89,7 @@ def measure(config, steps: int, warmup: int, profile_dir: str = "", keep_hlo: bo
   first_loss = None
   for i in range(warmup):
     state, out = compiled(state, batches[i % 4])
-    first_loss = float(out["loss"]) if first_loss is None else first_loss
+    first_loss = float(out.loss) if first_loss is None else first_loss
   jax.block_until_ready(state)
   if profile_dir:
     jax.profiler.start_trace(profile_dir)
@@ -109,8 +110,8 @@ def measure(config, steps: int, warmup: int, profile_dir: str = "", keep_hlo: bo
       "seconds_per_step": seconds, "compile_seconds": compile_s,
       "tokens_per_second": config.data.batch_size * config.data.seq_len / seconds,
       "model_tflops_per_device": tflops, "mfu": mfu, "model_flops_per_step": flops,
-      "first_loss": first_loss, "last_loss": float(out["loss"]),
-      "fallback_layers_last_step": int(np.sum(out["moe_stats"].fallback)),
+      "first_loss": first_loss, "last_loss": float(out.loss),
+      "fallback_layers_last_step": int(np.sum(out.moe_stats.fallback)),
       "peak_bytes_in_use": stats.get("peak_bytes_in_use"),
       "bytes_limit": stats.get("bytes_limit"),
       "aot_total_bytes": memory.total_memory_bytes(compiled),

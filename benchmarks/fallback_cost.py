@@ -25,7 +25,7 @@ import numpy as np
 
 import moe_hk
 from benchmarks import fallback_overhead, timing
-from launch import platform, results
+from launch.setup import platform, results
 from moe_hk import buffer_size, fallback, routing
 
 SETTING = dict(num_experts=16, num_experts_per_tok=2, emb_dim=256, mlp_dim=512,

@@ -25,9 +25,9 @@ import optax
 from jax.sharding import NamedSharding
 
 import moe_hk
-from launch import platform as launch_platform, results
 from launch.compiling import topology
-from launch.training import memory
+from launch.model import memory
+from launch.setup import platform as launch_platform, results
 from moe_hk import fallback, mesh as mesh_lib
 
 # The single-layer setting where token buffers dominate: 8 shards, top-2, 8 experts,

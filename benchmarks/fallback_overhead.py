@@ -19,7 +19,7 @@ import numpy as np
 
 import moe_hk
 from benchmarks import fallback_memory, timing
-from launch import platform, results
+from launch.setup import platform, results
 
 TIMING_WIDTH = dict(emb_dim=64, mlp_dim=128)
 

@@ -23,10 +23,10 @@ cut short keeps what it measured):
 * `layer`: one bfloat16 layer's value-and-grad on one shard, the full buffer (factor 1) vs the
   `layer` fallback (factor 0.5 always overflows on one shard), blocked vs tokamax: time
   ratios to the full-buffer blocked step and compiled memory.
-* `trainer`: the launcher's train step on the one GPU (`launch.training.steps`, real batches
-  from `launch.training.data`), for the default config (float32, as configured), the same in
+* `trainer`: the launcher's train step on the one GPU (`launch.model.train_step`, real batches
+  from `launch.data.loader`), for the default config (float32, as configured), the same in
   bfloat16, and a larger bfloat16 MoE model: tokens/s, model TFLOP/s per device and MFU
-  (`launch.training.throughput`), per grouped-matmul backend, interleaved windows of steps.
+  (`launch.run.throughput`), per grouped-matmul backend, interleaved windows of steps.
 
 Writes `benchmarks/results/gpu_native.json` (`--output`; a dry run writes to the temp folder):
 command, commit ($GIT_COMMIT, else `git rev-parse HEAD`), date, machine and the figures.
@@ -491,8 +491,8 @@ def _trainer_steps(overrides):
   """(config, settings, steps) the way the launcher builds them, on this process's devices."""
   import jax
   import moe_hk
-  from launch import settings as settings_lib
-  from launch.training.steps import make_steps
+  from launch.model.train_step import make_steps
+  from launch.setup import settings as settings_lib
   config = settings_lib.load(os.path.join(settings_lib.CONFIGS, "default.py"), overrides)
   settings = settings_lib.build(config, jax.device_count())
   return config, settings, make_steps(settings, moe_hk.make_mesh(**settings.mesh))
@@ -503,7 +503,8 @@ def _time_trainer(overrides, shapes: Shapes) -> dict:
   steps (each window ends by blocking on the state and the step's outputs)."""
   import jax
   from benchmarks import timing
-  from launch.training import data as data_lib, throughput
+  from launch.data import loader as data_lib
+  from launch.run import throughput
   device = jax.devices()[0]
   runs, out = {}, {"backends": {}}
   for gmm in ("blocked", "tokamax"):
@@ -678,7 +679,7 @@ def main():
   if args.stub_xprof:
     stub_xprof()
   logging.getLogger("absl").addFilter(_DropCacheMisses())
-  from launch import platform
+  from launch.setup import platform
   platform.setup(cpu_devices=1, cpu_only=args.dry_run)
   import jax
   if not args.dry_run and jax.default_backend() != "gpu":
@@ -688,7 +689,7 @@ def main():
   rounds = min(args.rounds, 3) if args.dry_run else args.rounds
   output = args.output or (os.path.join(tempfile.gettempdir(), "gpu_native_dry_run.json")
                            if args.dry_run else os.path.join(RESULTS, "gpu_native.json"))
-  from launch import results  # after the platform is set up: it reads the devices
+  from launch.setup import results  # after the platform is set up: it reads the devices
   result = {"command": results.command(), "commit": results.commit(),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "machine": {**results.machine(), "tokamax": tokamax_version()},

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import timing
-from launch import platform, results
+from launch.setup import platform, results
 from moe_hk import grouped_matmul
 
 BLOCK_ROWS = (128, 256, 512)

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import metrics
 import moe_hk
 from benchmarks import fallback_memory, fallback_overhead, timing
-from launch import platform, results
+from launch.setup import platform, results
 from moe_hk import buffer_size
 
 

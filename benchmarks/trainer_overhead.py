@@ -30,7 +30,7 @@ from typing import Sequence
 
 import numpy as np
 
-from launch import platform, results
+from launch.setup import platform, results
 
 MODES = ("on", "off")
 
@@ -48,8 +48,8 @@ def interval_rates(workdir: str) -> dict[int, float]:
 def steps_per_second(telemetry: bool, warmup: int, steps: int) -> float:
   """Trains the default job in this process; its steps/s over steps [warmup, warmup + steps)."""
   import jax
-  from launch import settings as settings_lib
-  from launch.training import trainer
+  from launch.run import trainer
+  from launch.setup import settings as settings_lib
   platform.setup(cpu_only=True)
   default = settings_lib.load(os.path.join(settings_lib.CONFIGS, "default.py"))
   # The window [warmup, warmup + steps) starts and ends at fetches; eval and checkpoints

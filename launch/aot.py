@@ -5,7 +5,7 @@
 
 The topology is a TPU slice (`v5p-256`, i.e. 128 chips, or `v5p:4x4x8`), compiled through
 libtpu with no TPU attached, or `cpu:N` (N simulated CPU devices); jax stays on the CPU either
-way (launch.platform), so it never takes the chips of a TPU VM. Every variant compiles the
+way (launch.setup.platform), so it never takes the chips of a TPU VM. Every variant compiles the
 same step as `launch.train` (`launch.compiling.variants`); by default only the variant the
 config trains (its pre-flight check), `all` for every one. Prints JSON, then a table of
 per-device memory (arguments + outputs + temporaries - aliased) from
@@ -20,11 +20,11 @@ import os
 
 from absl import flags
 
-from launch import cli, platform, results, settings as settings_lib
 from launch.compiling import topology as topology_lib
+from launch.setup import cli, platform, results, settings as settings_lib
 from launch.compiling.variants import (GIB, VARIANTS, compile_variant, model_flops,
                                       trained_variant)
-from launch.errors import UserError, user_errors
+from launch.setup.errors import UserError, user_errors
 
 _CONFIG = cli.define_config("config", "maverick.py", "Model configuration file.")
 _TOPOLOGY = topology_lib.topology_flag("v5p-256", "'v5p-N', 'v5p:AxBxC' or 'cpu:N'.")
@@ -75,7 +75,7 @@ def _variants(settings: settings_lib.Settings) -> list[str]:
 
 
 def main(argv):
-  del argv  # launch.cli refuses arguments that are not flags
+  del argv  # launch.setup.cli refuses arguments that are not flags
   with user_errors():
     platform.setup(topology_lib.cpu_device_count(_TOPOLOGY.value), cpu_only=True)
     devices = topology_lib.topology_devices(_TOPOLOGY.value)

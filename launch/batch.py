@@ -13,9 +13,10 @@ or where no tokenizer is recorded. Steps are numbered from 0, as everywhere in t
 """
 from absl import flags
 
-from launch import batch_view, cli, settings
-from launch.errors import UserError, user_errors
-from launch.training import checkpoints, data as data_lib
+from launch.checkpoints import store
+from launch.data import batch_view, loader as data_lib
+from launch.setup import cli, settings
+from launch.setup.errors import UserError, user_errors
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Workdir of a launch.train run.", required=True)
 _STEP = flags.DEFINE_integer("step", None, "The train step whose batch to print (0-based, as "
@@ -26,7 +27,7 @@ _IDS = flags.DEFINE_bool("ids", False, "Print token ids instead of text.")
 
 
 def main(argv):
-  del argv  # launch.cli refuses arguments that are not flags
+  del argv  # launch.setup.cli refuses arguments that are not flags
   if _STEP.value < 0 or _ROWS.value < 0 or _TOKENS.value < 1:
     raise UserError(f"--step={_STEP.value}, --rows={_ROWS.value}, --tokens={_TOKENS.value}: "
                     "need step >= 0, rows >= 0, tokens >= 1.")
@@ -36,7 +37,7 @@ def main(argv):
     position, batch = data.position(_STEP.value), data.global_batch(_STEP.value)
     shown_as = batch_view.source(config, _IDS.value)
   print("\n".join(batch_view.describe(position, batch, _ROWS.value, _TOKENS.value, shown_as)))
-  newest = checkpoints.newest_step(_WORKDIR.value)
+  newest = store.newest_step(_WORKDIR.value)
   if newest is not None and _STEP.value >= newest:
     print(f"(the run's newest checkpoint, checkpoints/{newest}, is from before step {newest}: "
           f"it has not trained step {_STEP.value} yet)")

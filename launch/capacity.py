@@ -53,10 +53,10 @@ import jax
 import ml_collections
 from absl import app, flags
 
-from launch import cli, platform, results as results_lib, settings as settings_lib
 from launch.compiling import topology as topology_lib
-from launch.errors import user_errors
 from launch.planning import capacity_report as report, replay
+from launch.setup import cli, platform, results as results_lib, settings as settings_lib
+from launch.setup.errors import user_errors
 from metrics import factor_rule
 from metrics.traffic import Traffic, read_traffic
 from moe_hk import buffer_size
@@ -101,8 +101,7 @@ def memory_per_factor(config: ml_collections.ConfigDict, topology: str,
   The mesh gets `expert_shards` on its expert axis; fsdp takes up the rest of the devices.
   """
   # Loaded only when a compile is asked for.
-  from launch.compiling import variants
-  from launch.training import programs
+  from launch.compiling import programs, variants
   devices = topology_lib.topology_devices(topology)
   data = config.mesh.data
   fsdp, rest = divmod(len(devices), data * expert_shards)
@@ -120,8 +119,8 @@ def capped_times(config: ml_collections.ConfigDict, traffic: Traffic, factors: S
                  expert_shards: int, steps: int, rounds: int) -> dict[float, factor_rule.Price]:
   """Prices ('timed'): a capped step of `config` (the run's, checked against the traffic) at
   each of `factors` and the run's newest factor, on this machine's devices
-  (`launch.training.capped_timing`), with a progress line per factor on stderr."""
-  from launch.training import capped_timing  # compiles and runs: only when asked for
+  (`launch.compiling.capped_timing`), with a progress line per factor on stderr."""
+  from launch.compiling import capped_timing  # compiles and runs: only when asked for
   settings = settings_lib.build(config, jax.device_count())
   replay.check_routing(settings.layer, traffic, "time_config")
   tokens = config.data.batch_size * config.data.seq_len // jax.device_count()
@@ -193,7 +192,7 @@ def _answer(traffic: Traffic, shards: int, topology: str | None, rule: factor_ru
 
 
 def main(argv):
-  del argv  # launch.cli refuses arguments that are not flags
+  del argv  # launch.setup.cli refuses arguments that are not flags
   topology = _TOPOLOGY.value if flags.FLAGS["compile_topology"].present else None
   _check_flags(topology)
   timing = _TIME_CONFIG.value

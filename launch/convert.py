@@ -14,9 +14,9 @@ it was imported in, for `transformers.AutoModelForCausalLM.from_pretrained(DIR)`
 import jax
 from absl import flags, logging
 
-from launch import cli, distributed, platform, settings as settings_lib
-from launch.errors import UserError
 from launch.hf import exporting, importing
+from launch.setup import cli, distributed, platform, settings as settings_lib
+from launch.setup.errors import UserError
 
 _FROM = flags.DEFINE_string("from_hf", None, "A Hugging Face checkpoint folder to import.")
 _TO = flags.DEFINE_string("to_hf", None, "A folder to export the run's checkpoint to.")
@@ -30,7 +30,7 @@ _MAX_SHARD_MIB = flags.DEFINE_integer("max_shard_mib", 4096, "--to_hf: the large
 
 
 def main(argv):
-  del argv  # launch.cli refuses arguments that are not flags
+  del argv  # launch.setup.cli refuses arguments that are not flags
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)  # orbax's INFO lines only with --verbosity=1
   if (_FROM.value is None) == (_TO.value is None):

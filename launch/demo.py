@@ -18,8 +18,8 @@ import numpy as np
 from absl import flags
 
 import moe_hk
-from launch import cli, platform, settings as settings_lib
-from launch.errors import UserError
+from launch.setup import cli, platform, settings as settings_lib
+from launch.setup.errors import UserError
 
 _CONFIG = cli.define_config("config", "demo.py", "The layer's configuration (its config.moe, "
                             "emb_dim, data.batch_size, data.seq_len and mesh).")
@@ -69,7 +69,7 @@ def run(settings: settings_lib.Settings, skew: float) -> dict:
 
 
 def main(argv):
-  del argv  # launch.cli refuses arguments that are not flags
+  del argv  # launch.setup.cli refuses arguments that are not flags
   if not math.isfinite(_SKEW.value):
     raise UserError(f"--skew={_SKEW.value}: must be a finite number.")
   config = _CONFIG.value

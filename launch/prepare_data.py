@@ -5,7 +5,7 @@ r"""Tokenizes text files into the launcher's ArrayRecord token files.
 
 Each input file (sorted by path) becomes one record: its tokens as a little-endian int32
 array (`np.asarray(tokens, '<i4').tobytes()`), the format `config.data.source='array_record'`
-reads (`launch.training.data`), written in order over `--shards` files
+reads (`launch.data.loader`), written in order over `--shards` files
 `OUTPUT/tokens-SSSSS-of-NNNNN.array_record`, so that the launcher, reading them in sorted path
 order, sees the files in their sorted order. `--tokenizer=bytes` makes each byte a token
 (vocabulary 256); a path names a Hugging Face `tokenizer.json`, read offline with the
@@ -27,9 +27,9 @@ from typing import Callable, Sequence, TextIO
 import numpy as np
 from absl import flags
 
-from launch import cli
-from launch.provenance import BYTES, METADATA
-from launch.errors import UserError
+from launch.data.provenance import BYTES, METADATA
+from launch.setup import cli
+from launch.setup.errors import UserError
 
 
 _INPUT = flags.DEFINE_string("input", None, "Glob of the text files to tokenize (quote it).",
@@ -114,7 +114,7 @@ def write(paths: Sequence[str], output: str, encode: Callable[[bytes], np.ndarra
 
 
 def main(argv):
-  del argv  # launch.cli refuses arguments that are not flags
+  del argv  # launch.setup.cli refuses arguments that are not flags
   if _SHARDS.value < 1:
     raise UserError(f"--shards={_SHARDS.value} must be >= 1.")
   paths = inputs(_INPUT.value, _OUTPUT.value)

@@ -20,9 +20,10 @@ import tokenizers
 from absl import flags, logging
 
 import moe_hk
-from launch import cli, platform, settings as settings_lib
-from launch.errors import UserError
-from launch.training import restoring, scoring
+from launch.checkpoints import parameters
+from launch.model import scoring
+from launch.setup import cli, platform, settings as settings_lib
+from launch.setup.errors import UserError
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "The run's folder.", required=True)
 _INPUT_IDS = flags.DEFINE_string("input_ids", None, "A .npy of int32 token ids [B, S].")
@@ -51,7 +52,7 @@ def _tokens(workdir: str, vocab: int) -> tuple[np.ndarray, list[str]]:
 
 
 def main(argv):
-  del argv  # launch.cli refuses arguments that are not flags
+  del argv  # launch.setup.cli refuses arguments that are not flags
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)  # orbax's INFO lines only with --verbosity=1
   if (_TEXT.value is None) == (_INPUT_IDS.value is None) or (
@@ -61,7 +62,7 @@ def main(argv):
   platform.setup(settings_lib.cpu_devices(config))
   settings = settings_lib.build(config, jax.device_count(), platform=jax.devices()[0].platform)
   ids, pieces = _tokens(_WORKDIR.value, config.vocab_size)
-  step, params = restoring.restore_params(settings, _WORKDIR.value, _STEP.value)
+  step, params = parameters.restore_params(settings, _WORKDIR.value, _STEP.value)
   mesh = moe_hk.make_mesh(**settings.mesh)
   tokens = scoring.padded(ids, mesh.size)
   settings, note = scoring.fitted(settings, tokens.shape, mesh.size)

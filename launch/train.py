@@ -5,12 +5,12 @@ Without --config, a workdir that holds a run (its `config.json`, written by `lau
 
 Any config field can be overridden with `--config.KEY=VALUE` (e.g. `--config.train_steps=50`);
 `--print_config` lists them all. Runs on the machine's TPUs or GPUs, or, where it has none, on
-`config.cpu_devices` simulated CPU devices (JAX_PLATFORMS chooses otherwise: launch.platform).
+`config.cpu_devices` simulated CPU devices (JAX_PLATFORMS chooses otherwise: launch.setup.platform).
 Multi-process: on Cloud TPU VMs (and the other clusters JAX detects: SLURM, Open MPI,
 Kubernetes) run the same command on every host, and `jax.distributed` is initialised from the
 environment; elsewhere (several CPU processes on one machine over gloo) pass
 `--coordinator_address=HOST:PORT --num_processes=N --process_id=I`. A mistake in the flags or
-the config stops it before anything compiles, in one line (launch.cli).
+the config stops it before anything compiles, in one line (launch.setup.cli).
 """
 import functools
 import os
@@ -20,8 +20,9 @@ import jax
 import ml_collections
 from absl import flags, logging
 
-from launch import cli, distributed, platform, settings as settings_lib
-from launch.training import checkpoints, trainer
+from launch.checkpoints import store
+from launch.run import trainer
+from launch.setup import cli, distributed, platform, settings as settings_lib
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Where checkpoints, TensorBoard events and "
                                "alerts.jsonl go; an existing run there is resumed. Required, "
@@ -41,7 +42,7 @@ def _lost(workdir: str, timeout_s: int, count: int, processes: list[int]) -> Non
   """Another process stopped answering: one line naming it and the checkpoint to resume
   from, then exit status 1 (the others cannot go on: every step needs every process)."""
   who = f"process{'es' if len(processes) > 1 else ''} {', '.join(map(str, processes))}"
-  newest = checkpoints.newest_step(workdir)
+  newest = store.newest_step(workdir)
   resume = (f"the newest checkpoint is {workdir}/checkpoints/{newest} (after step "
             f"{newest - 1}): rerun every "
             "process's command to resume from it" if newest is not None else
@@ -65,7 +66,7 @@ def _config() -> ml_collections.ConfigDict:
 
 
 def main(argv):
-  del argv  # launch.cli refuses arguments that are not flags
+  del argv  # launch.setup.cli refuses arguments that are not flags
   config = _config()
   quiet = not flags.FLAGS["verbosity"].present
   if quiet:

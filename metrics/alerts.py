@@ -12,7 +12,7 @@ Rules:
                          input): routed to no expert, their outputs NaN; not an overflow
 
 The trainer raises its own alerts through the same sink (`send`): a skipped non-finite step,
-a loss spike, an autopilot factor change (`launch.training.step_alerts`).
+a loss spike, an autopilot factor change (`launch.run.trainer_alerts`).
 
 Each overflow alert's details name the layers, for each layer the receiving expert shards
 whose buffer overflowed and the three hottest experts (`hotspots`), since when the condition

@@ -2,9 +2,9 @@
 
 Two ways to feed it. A train step that returns its MoE layers' stats (the launcher) hands them
 over with `report_step`, as many steps at a time as it fetched from the device, so the host
-never waits for the device in between; `end_interval` then writes the `moe/expert_load` image
-and flushes (with `wait=False` the loop does not wait for the writer's background thread
-either). A loop over bare layers that stream their stats through callbacks
+never waits for the device in between; `write_expert_load` then writes the `moe/expert_load`
+image of the fetch, and the writer's `flush(wait=False)` queues its flush (the loop does not
+wait for the writer's background thread either). A loop over bare layers that stream their stats through callbacks
 (`MoEConfig.stream_step_stats`) calls `end_step` after each step instead, which waits for the
 step's callbacks. Either way the alerts run on the finished step (`fallback_ran` names every
 layer of it that fell back).
@@ -49,7 +49,7 @@ class MoEMetrics:
       self.writer.write_hparams(hparams)
     if flush_on_sigterm:
       self.writer.flush_on_sigterm()
-    self._interval_load = None  # [layers, E] rows since the last end_interval
+    self._interval_load = None  # [layers, E] rows since the last write_expert_load
     self._interval_first = 0    # the step they start at
     events.add_sink(self.aggregator)
     self._open = True
@@ -82,12 +82,6 @@ class MoEMetrics:
     if self._interval_load is not None:
       self.writer.write_expert_load(step, self._interval_load, self._interval_first)
       self._interval_load = None
-
-  def end_interval(self, step: int, wait: bool = True) -> None:
-    """`write_expert_load(step)`, then flushes the writer (`wait=False`: queues the flush,
-    `MoEMetricsWriter.flush`)."""
-    self.write_expert_load(step)
-    self.writer.flush(wait=wait)
 
   def end_step(self, step: int, *, dropless_steps: int | None = None,
                extra_scalars: Mapping[str, float] | None = None) -> StepMetrics | None:

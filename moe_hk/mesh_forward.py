@@ -193,7 +193,7 @@ def forward_after_check(params: MoEParams, x: jax.Array, *, config: MoEConfig, m
 
   specs = param_specs(config, mesh)
   # The megablox kernels' pallas_calls declare no varying axes for their outputs, which
-  # shard_map's vma check rejects (as with splash attention in launch/training/attention.py).
+  # shard_map's vma check rejects (as with splash attention in launch/model/attention.py).
   fn = jax.shard_map(shard_fn, mesh=mesh, in_specs=(batch, P(), *specs),
                      out_specs=(batch, stats_specs), check_vma=backends.gmm != "megablox")
   y, stats = fn(x, after, *params)

@@ -14,8 +14,8 @@ import ml_collections
 import pytest
 
 import moe_hk
-from launch import settings
 from launch.configs import tiny
+from launch.setup import settings
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = "launch/configs/tiny.py"
@@ -126,7 +126,7 @@ def tiny_config(**overrides) -> ml_collections.ConfigDict:
 
 def settings_of(config: ml_collections.ConfigDict, devices: int | None = None,
                 platform: str | None = None):
-  """`launch.settings.build` of `config` for this process's devices (or `devices`), checked
+  """`launch.setup.settings.build` of `config` for this process's devices (or `devices`), checked
   for `platform` when given."""
   return settings.build(config, jax.device_count() if devices is None else devices,
                         platform=platform)

@@ -1,4 +1,4 @@
-"""launch.training.attention: the XLA and splash forms against a dense reference (outputs and
+"""launch.model.attention: the XLA and splash forms against a dense reference (outputs and
 gradients), the splash form compiled for a v5p topology, and the choice of form per platform.
 
 The cuDNN form is not tested here: `jax.nn.dot_product_attention(implementation='cudnn')` does
@@ -15,11 +15,11 @@ from jax.sharding import NamedSharding
 
 import moe_hk
 from launch.compiling import topology
-from launch import choices
-from launch.training import attention
+from launch.model import attention
+from launch.model.train_step import make_steps
+from launch.model.transformer import REMAT_POLICIES
+from launch.setup import choices
 from moe_hk import mesh as mesh_lib
-from launch.training.model import REMAT_POLICIES
-from launch.training.steps import make_steps
 from tests.helpers import require_libtpu, settings_of, tiny_config
 from tests.tree_close import assert_trees_close
 
@@ -135,7 +135,7 @@ def test_the_train_step_with_splash_runs_under_every_remat_policy(monkeypatch):
     steps = make_steps(settings_of(config), moe_hk.make_mesh(**config.mesh))
     state, out = steps.train(steps.init(jax.random.key(0)),
                              jax.device_put(batch, steps.batch_sharding))
-    return jax.device_get((out["loss"], out["grad_norm"], state.params,
+    return jax.device_get((out.loss, out.grad_norm, state.params,
                            steps.eval_loss(state.params, batch)))
   expected = one_step("xla", "none")
   for policy in REMAT_POLICIES:

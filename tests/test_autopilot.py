@@ -8,7 +8,7 @@ import pytest
 import moe_hk
 from launch.configs import tiny
 from launch.planning import autopilot
-from launch.training import step_alerts
+from launch.run import trainer_alerts
 from metrics.evidence import Evidence
 from metrics.factor_rule import Rule
 
@@ -165,7 +165,7 @@ def test_the_likely_move_compiles_while_the_window_fills_and_then_costs_no_compi
     moved = pilot.switch(20)
     assert moved.factor == 1.125 == c.factor and compiles == [1.125]
     [(step, old, new, decision)] = changes
-    alert = step_alerts.factor_changed(step, old, new, decision)
+    alert = trainer_alerts.factor_changed(step, old, new, decision)
     assert alert.message.startswith("MoE autopilot [buffer_factor_changed] at step 20: "
                                     "ragged_buffer_factor 3 -> 1.125 (frequency): use "
                                     "ragged_buffer_factor=1.125: the smallest factor")
@@ -262,7 +262,7 @@ def test_a_program_over_the_budget_is_refused_for_good():
     (dict(min_steps=101), r"min_steps=101 must be in \[1, config.autopilot.window=100\]"),
 ])
 def test_bad_settings(kw, pattern):
-  """`config.autopilot` is checked once, where the config is built (`launch.settings`)."""
+  """`config.autopilot` is checked once, where the config is built (`launch.setup.settings`)."""
   section = tiny.get_config().autopilot
   section.update(enabled=True, **kw)
   layer = moe_hk.MoEConfig(8, 2, 16, 32, ragged_buffer_factor=2.0)

@@ -13,9 +13,10 @@ import pytest
 from absl import app
 from absl.testing import flagsaver
 
-from launch.errors import UserError
-from launch import capacity, cli as cli_lib
+from launch import capacity
 from launch.planning import replay
+from launch.setup import cli as cli_lib
+from launch.setup.errors import UserError
 from metrics.traffic import Traffic, TrafficRecorder, read_traffic
 from tests.helpers import ROOT
 

@@ -1,4 +1,4 @@
-"""`launch.training.checkpoints`: the train state and a mapping of stateful parts round-trip; an
+"""`launch.checkpoints.store`: the train state and a mapping of stateful parts round-trip; an
 unreadable newest checkpoint costs one warning line, and nothing of its failed reads reaches
 the console later, however often it happens."""
 import gc
@@ -16,8 +16,8 @@ import pytest
 from absl.testing import absltest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from launch.errors import UserError
-from launch.training import checkpoints as checkpoints_lib
+from launch.checkpoints import store as checkpoints_lib
+from launch.setup.errors import UserError
 
 
 def _state(seed: int) -> dict:

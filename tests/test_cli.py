@@ -1,7 +1,7 @@
-"""The entry points' command line (`launch.cli`, `launch.settings`): every user mistake is one
-line on stderr, exit status 2 for flag misuse and 1 for an invalid value, no traceback, no
-usage dump. In this process where the parsing is the subject; three subprocesses prove the
-exit status and the streams of the real commands."""
+"""The entry points' command line (`launch.setup.cli`, `launch.setup.settings`): every user mistake
+is one line on stderr, exit status 2 for flag misuse and 1 for an invalid value, no traceback, no
+usage dump. In this process where the parsing is the subject; three subprocesses prove the exit
+status and the streams of the real commands."""
 import os
 import re
 import subprocess
@@ -12,9 +12,10 @@ import pytest
 from absl import app, flags
 from absl.testing import flagsaver
 
-from launch import aot, capacity, cli, settings  # noqa: F401  (their flags)
+from launch import aot, capacity  # noqa: F401  (their flags)
+from launch.setup import cli, settings
 from launch.configs import tiny
-from launch.errors import UserError, user_errors
+from launch.setup.errors import UserError, user_errors
 from tests.helpers import ROOT
 
 

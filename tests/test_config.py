@@ -185,8 +185,8 @@ def test_buffer_rows_formula():
 
 
 def test_the_checked_choices_are_what_the_code_acts_on():
-  """`launch.choices` lists the values the settings accept; the model's remat policies are
+  """`launch.setup.choices` lists the values the settings accept; the model's remat policies are
   exactly those (a policy added to one and not the other fails here)."""
-  from launch import choices
-  from launch.training import model
-  assert tuple(model.REMAT_POLICIES) == choices.REMAT_POLICIES
+  from launch.model import transformer
+  from launch.setup import choices
+  assert tuple(transformer.REMAT_POLICIES) == choices.REMAT_POLICIES

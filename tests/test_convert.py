@@ -20,12 +20,13 @@ import pytest
 from safetensors import safe_open
 
 import moe_hk
-from launch import settings as settings_lib
-from launch.errors import UserError
+from launch.checkpoints import parameters, store
 from launch.hf import exporting, hf_config, importing, reading, writing
-from launch.training import checkpoints, restoring, scoring, steps as steps_lib
+from launch.model import scoring, train_step as steps_lib
+from launch.run import trainer
+from launch.setup import settings as settings_lib
+from launch.setup.errors import UserError
 from moe_hk import routing
-from launch.training import trainer
 from tests.helpers import ROOT, cached_make_steps, run_module, settings_of, tiny_config
 
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "hf")
@@ -84,7 +85,7 @@ def test_logits_equal_transformers_with_the_fallback(imported):
   moe-hk's logits are transformers' within 1e-4 relative; capped without the fallback, the
   dropped rows move them far past it."""
   family, workdir, run_settings = imported
-  _, params = restoring.restore_params(run_settings, workdir)
+  _, params = parameters.restore_params(run_settings, workdir)
   ids, want = _fixture(family, "input_ids.npy"), _fixture(family, "logits.npy")
   logits, fell_back = _logits(run_settings, params, ids)
   print(f"{family}: max relative logit difference {_relative(logits, want):.2e}")
@@ -114,8 +115,8 @@ def test_export_writes_the_fixture_and_imports_back_exactly(imported, tmp_path):
   assert (exported["rope_scaling"] or {}).get("rope_type", "default") == rope_type
   again = str(tmp_path / "again")
   importing.import_checkpoint(str(tmp_path / "out"), again, run_settings.config)
-  first = restoring.restore_params(run_settings, workdir)[1]
-  second = restoring.restore_params(settings_of(settings_lib.saved(again)), again)[1]
+  first = parameters.restore_params(run_settings, workdir)[1]
+  second = parameters.restore_params(settings_of(settings_lib.saved(again)), again)[1]
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(first), jax.device_get(second))
 
 
@@ -124,7 +125,7 @@ def test_export_shards_and_keeps_the_dtype(imported, tmp_path):
   """Past the size limit the weights split into files with an index; a bfloat16 checkpoint
   (that one) imports through its index and exports bfloat16 again."""
   family, workdir, run_settings = imported
-  _, params = restoring.restore_params(run_settings, workdir)
+  _, params = parameters.restore_params(run_settings, workdir)
   hf = json.load(open(os.path.join(FIXTURES, family, "config.json")))
   files = writing.write(str(tmp_path / "bf16"), writing.hf_tensors(
       params, hf_config.family_of(hf).tensors(hf_config.model_keys(hf)), "bfloat16"),
@@ -154,7 +155,7 @@ def test_finetune_starts_at_transformers_loss(imported):
   family, workdir, run_settings = imported
   mesh = moe_hk.make_mesh(**run_settings.mesh)
   steps = _STEPS(run_settings, mesh)
-  saver = checkpoints.Checkpoints(workdir, keep=3, every=1)
+  saver = store.Checkpoints(workdir, keep=3, every=1)
   state = saver.restore(steps_lib.abstract_inputs(run_settings.config, steps)[0]).state
   saver.close()
   ids, logits = _fixture(family, "input_ids.npy"), _fixture(family, "logits.npy")
@@ -163,7 +164,7 @@ def test_finetune_starts_at_transformers_loss(imported):
   losses = []
   for _ in range(4):
     state, out = steps.train(state, batch)
-    losses.append(float(out["loss"]))
+    losses.append(float(out.loss))
   assert losses[0] == pytest.approx(want, rel=1e-5)
   assert losses[-1] < losses[0]
 
@@ -180,7 +181,7 @@ def test_launch_train_continues_the_import(imported, tmp_path, monkeypatch, caps
   losses = trainer.train_and_evaluate(settings_of(config), run, stop_after=2)
   assert "/checkpoints/0: the next step is 0" in capsys.readouterr().out
   assert len(losses) == 2 and np.all(np.isfinite(losses))
-  assert checkpoints.newest_step(run) == 2
+  assert store.newest_step(run) == 2
 
 
 @pytest.mark.slow

@@ -1,4 +1,4 @@
-"""launch.training.data: shapes, per-process rows, exact resume and input errors for every
+"""launch.data.loader: shapes, per-process rows, exact resume and input errors for every
 source."""
 import json
 import pathlib
@@ -9,7 +9,7 @@ import ml_collections
 import numpy as np
 import pytest
 
-from launch.training import data as data_lib
+from launch.data import loader as data_lib
 
 B, S = 4, 15  # global batch, sequence length: windows of W = 16 tokens
 W = S + 1
@@ -239,5 +239,5 @@ def test_synthetic_numbers_pinned():
 
 
 def test_import_does_not_import_jax():
-  code = "import sys, launch.training.data; assert 'jax' not in sys.modules, 'jax imported'"
+  code = "import sys, launch.data.loader; assert 'jax' not in sys.modules, 'jax imported'"
   subprocess.run([sys.executable, "-c", code], check=True, cwd=pathlib.Path(__file__).parents[1])

@@ -1,4 +1,4 @@
-"""`launch.distributed`: when `launch.train` starts `jax.distributed`, and with what."""
+"""`launch.setup.distributed`: when `launch.train` starts `jax.distributed`, and with what."""
 import signal
 import subprocess
 import sys
@@ -7,8 +7,8 @@ import time
 import pytest
 from absl import app
 
-from launch import distributed, errors
-from launch.distributed import Watchdog, initialize_distributed, jax_heartbeat_timeout_s
+from launch.setup import distributed, errors
+from launch.setup.distributed import Watchdog, initialize_distributed, jax_heartbeat_timeout_s
 from tests.helpers import ROOT
 
 
@@ -137,7 +137,7 @@ def test_jax_waits_longer_than_the_watchdog():
 
 _ABORTING_PROCESS = """
 import ctypes, itertools, os, sys, threading, time
-from launch.distributed import Watchdog
+from launch.setup.distributed import Watchdog
 
 class Store:  # the peer, process 1, beats ({beats}) or has stopped
   beats = itertools.count()

@@ -1,16 +1,16 @@
 """`launch.compiling.flops`: matmul FLOPs of a traced program, loops at their trip counts; the
-model FLOPs and peak behind the MFU (`launch.training.throughput`)."""
+model FLOPs and peak behind the MFU (`launch.run.throughput`)."""
 import jax
 import jax.numpy as jnp
 import pytest
 from jax.sharding import PartitionSpec as P
 
 import moe_hk
-from launch import settings as settings_lib
-from launch.configs import tiny
 from launch.compiling import flops
-from launch.training import throughput
-from launch.training.steps import make_steps
+from launch.configs import tiny
+from launch.model.train_step import make_steps
+from launch.run import throughput
+from launch.setup import settings as settings_lib
 from moe_hk import megablox
 
 

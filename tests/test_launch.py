@@ -23,12 +23,14 @@ import orbax.checkpoint as ocp
 import pytest
 
 import moe_hk
-from launch import settings as settings_lib
-from launch.errors import UserError
+from launch.checkpoints import run_config as run_config_lib
+from launch.data import loader as data_lib
+from launch.model import spikes as spikes_lib
+from launch.model.train_step import abstract_inputs
 from launch.planning import replay
-from launch.training import record, reporter as reporter_lib, stop_request, trainer
-from launch.training import data as data_lib, spikes as spikes_lib
-from launch.training.steps import abstract_inputs
+from launch.run import reporter as reporter_lib, stop_request, trainer
+from launch.setup import settings as settings_lib
+from launch.setup.errors import UserError
 from metrics import expert_load, tags, traffic
 from metrics.event_files import read_histograms, read_images, read_scalars
 from tests.helpers import (ROOT, TINY, TINY_FLAGS, TINY_GMM, cached_make_steps, free_port,
@@ -236,7 +238,7 @@ def test_an_interval_is_written_while_the_next_step_runs(baseline, tmp_path, mon
   def recorded(self, pending, **kwargs):
     if pending:
       fetches.append(([p.step for p in pending], dispatched[0]))
-    flush(self, pending, **kwargs)
+    return flush(self, pending, **kwargs)
   monkeypatch.setattr(trainer, "make_steps", counted)
   monkeypatch.setattr(reporter_lib.Reporter, "flush", recorded)
   # log_every=2; a checkpoint after step 0 (the first), eval and checkpoint after steps 3
@@ -318,7 +320,7 @@ def test_step_mode_matches_layer_fallback(baseline, tmp_path):
   batch = jax.device_put(np.zeros((config.data.batch_size, config.data.seq_len + 1), np.int32),
                          steps.batch_sharding)
   _, out = steps.train(state, batch)
-  assert out["dropless"].dtype == bool
+  assert out.dropless.dtype == bool
   assert all(leaf.is_deleted() for leaf in jax.tree.leaves(state))
 
 
@@ -755,9 +757,9 @@ def test_raising_train_steps_keeps_the_schedule_and_says_so(baseline, tmp_path, 
                              [_cosine_rate(s, 8) for s in range(10)], rtol=1e-5, atol=1e-9)
   assert sorted(os.listdir(os.path.join(workdir, "configs"))) == ["0.json", "8.json"]
   assert settings_lib.saved(workdir).schedule_steps == 8
-  start = record.check(run_config(train_steps=12, schedule_steps=12), workdir)
+  start = run_config_lib.check(run_config(train_steps=12, schedule_steps=12), workdir)
   assert start.config.schedule_steps == 12 and "schedule_steps 8 -> 12" in start.changed
-  assert record.schedule_notes(start, 10) == [
+  assert run_config_lib.schedule_notes(start, 10) == [
       f"config.schedule_steps 8 -> 12 re-plans the learning rate: at step 10 it was 0, it is "
       f"now {_cosine_rate(10, 12):.3g}."]
 

@@ -9,7 +9,7 @@ import pytest
 import moe_hk
 from launch.compiling import topology as topology_lib, variants
 from launch.configs import tiny
-from launch.training.steps import abstract_inputs, make_steps
+from launch.model.train_step import abstract_inputs, make_steps
 from tests.helpers import require_libtpu, settings_of, user_precision
 
 

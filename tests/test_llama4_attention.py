@@ -19,7 +19,7 @@ from safetensors.numpy import load_file
 
 import moe_hk
 from launch.configs import default
-from launch.training import model as model_lib, positions
+from launch.model import positions, transformer as model_lib
 from tests.tree_close import assert_trees_close, relative_error
 
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "hf")

@@ -12,8 +12,8 @@ weights are refused: tests/test_published_configs.py).
 """
 import pytest
 
-from launch import settings as settings_lib
 from launch.hf import hf_config, importing
+from launch.setup import settings as settings_lib
 from tests.helpers import published
 
 # The first Scout release's RoPE scaling, the keys it gives that scout.py does not hold.

@@ -1,5 +1,6 @@
-"""launch.training.model against independent dense references: chunked loss, RMSNorm and SwiGLU, the
-MoE block's shared expert, and the remat policies and units (attention: tests/test_attention.py)."""
+"""launch.model.transformer against independent dense references: chunked loss, RMSNorm and SwiGLU,
+the MoE block's shared expert, and the remat policies and units (attention:
+tests/test_attention.py)."""
 import math
 import os
 
@@ -11,9 +12,9 @@ import pytest
 from jax.extend import core as jax_core
 
 import moe_hk
-from launch import choices, settings as settings_lib
-from launch.training import model as model_lib
-from launch.training.steps import make_steps
+from launch.model import transformer as model_lib
+from launch.model.train_step import make_steps
+from launch.setup import choices, settings as settings_lib
 from tests.helpers import settings_of, tiny_config
 from tests.tree_close import assert_trees_close, relative_error
 

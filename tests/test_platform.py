@@ -1,5 +1,5 @@
-"""`launch.platform`: jax on the TPU or GPU when one can be present, else N simulated CPUs, chosen
-before any backend starts; `launch.aot`'s CPU device count per topology."""
+"""`launch.setup.platform`: jax on the TPU or GPU when one can be present, else N simulated CPUs,
+chosen before any backend starts; `launch.aot`'s CPU device count per topology."""
 import os
 import subprocess
 import sys
@@ -7,8 +7,8 @@ import sys
 import jax
 import pytest
 
-from launch import platform
 from launch.compiling import topology as topology_lib
+from launch.setup import platform
 from tests.helpers import ROOT, require_libtpu
 
 
@@ -68,7 +68,7 @@ def test_without_jax_platforms_setup_leaves_an_accelerator_to_jax(possible, cpu_
   (`accelerator_possible`, stubbed), `setup` leaves the platform to jax; without them, or for
   a tool, it asks for the CPU. No backend starts."""
   env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
-  code = (f"from launch import platform; platform.accelerator_possible = lambda: {possible}; "
+  code = (f"from launch.setup import platform; platform.accelerator_possible = lambda: {possible}; "
           f"import jax; print(repr(platform.setup(3, cpu_only={cpu_only}))); "
           "print(jax.config.jax_platforms)")
   done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
@@ -86,7 +86,7 @@ def test_without_jax_platforms_a_cpu_machine_starts_quietly_on_n_cpu_devices():
   env = {k: v for k, v in os.environ.items()
          if k not in ("JAX_PLATFORMS", "XLA_FLAGS", "TPU_SKIP_MDS_QUERY",
                       "ALLOW_MULTIPLE_LIBTPU_LOAD")}
-  code = "from launch import platform; print(platform.setup(3)); print(platform.describe())"
+  code = "from launch.setup import platform; print(platform.setup(3)); print(platform.describe())"
   done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
                         text=True, timeout=300)
   assert done.returncode == 0, done.stderr

@@ -10,8 +10,8 @@ import pytest
 import tokenizers
 from tokenizers import models, pre_tokenizers, trainers
 
-from launch import batch_view as batch
-from launch.training import data as data_lib, trainer
+from launch.data import batch_view as batch, loader as data_lib
+from launch.run import trainer
 from tests.helpers import ROOT, TINY, TINY_FLAGS, settings_of, tiny_config
 
 TEXTS = {"b.txt": "the router sends each token to two experts.\n" * 40,

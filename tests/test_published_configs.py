@@ -8,8 +8,8 @@ import re
 
 import pytest
 
-from launch.errors import UserError
 from launch.hf import hf_config
+from launch.setup.errors import UserError
 from tests.helpers import PUBLISHED, published
 
 # Maverick's FP8 release: its weights are quantized, which the converter refuses.

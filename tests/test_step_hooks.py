@@ -1,16 +1,19 @@
-"""The trainer's finished steps as records (`launch.training.step_record`), handed by the
+"""The trainer's finished steps as records (`launch.run.records`), handed by the
 `Reporter` to every consumer registered in `Hooks`, in order, each step before the fetch; how a
-fetch's time may be read; the `Totals` consumer; the trainer's own consumers and their order.
-Host-only: fake fetched outputs, no compile."""
+fetch's time may be read; what a fetch tells the loop; the `Totals` consumer; the trainer's own
+consumers and their order. Host-only: fake fetched outputs, no compile."""
 import types
 
 import numpy as np
 import pytest
 
-from launch.training import console as console_lib, step_consumers, trainer
-from launch.training.loop import Run
-from launch.training.reporter import Pending, Reporter
-from launch.training.step_hooks import Hook, Hooks
+from launch.run import console as console_lib, consumers, trainer
+from launch.run.hooks import Hook, Hooks
+from launch.model.spikes import SpikeCheck
+from launch.model.train_step import StepOutputs
+from launch.run.loop import Run
+from launch.run.records import Pending
+from launch.run.reporter import Reporter
 from moe_hk.stats import MoEStats
 from tests.helpers import settings_of, tiny_config
 
@@ -31,16 +34,16 @@ def _stats(fallback=(0, 0), dropped=(0, 0)) -> MoEStats:
       routed_rows_per_device=np.zeros((LAYERS, 8, EXPERTS), np.int32))
 
 
-def _pending(step: int, *, skipped=False, spike=None, dropless=None, **stats) -> Pending:
-  out = {"loss": np.float32(2.0 + step), "grad_norm": np.float32(0.5),
-         "learning_rate": np.float32(1e-3), "skipped": np.bool_(skipped),
-         "moe_stats": _stats(**stats)}
-  if spike is not None:
-    out.update(spike=np.bool_(spike), spike_mean=np.float32([2.0, 0.5]),
-               spike_std=np.float32([0.1, 0.1]))
-  if dropless is not None:
-    out["dropless"] = np.bool_(dropless)
-  return Pending(step, out, factor=1.5)
+def _pending(step: int, *, skipped=False, spike=None, dropless=None, compile_seconds=None,
+             **stats) -> Pending:
+  """Step `step`'s outputs as fetched (numpy), loss `2 + step`, run at factor 1.5."""
+  check = None if spike is None else SpikeCheck(
+      np.bool_(spike), np.float32([2.0, 0.5]), np.float32([0.1, 0.1]))
+  out = StepOutputs(
+      loss=np.float32(2.0 + step), grad_norm=np.float32(0.5), learning_rate=np.float32(1e-3),
+      skipped=np.bool_(skipped), moe_stats=_stats(**stats), spike=check,
+      dropless=None if dropless is None else np.bool_(dropless))
+  return Pending(step, out, factor=1.5, compile_seconds=compile_seconds)
 
 
 class _Log(Hook):
@@ -147,17 +150,29 @@ def test_a_name_is_registered_once():
 
 
 def test_totals_count_the_run():
-  totals = step_consumers.Totals()
+  totals = consumers.Totals()
   hooks = Hooks()
   hooks.add("totals", totals)
   reporter = Reporter(hooks, lambda: (0, False))
   reporter.flush([_pending(0, fallback=(1, 0)), _pending(1, skipped=True),
                   _pending(2, spike=True), _pending(3, dropped=(2, 5))])
   assert (totals.steps, totals.fallback_steps, totals.dropped_rows) == (4, 1, 7)
-  assert (totals.skipped, totals.spikes, totals.consecutive_skipped) == (1, 1, 0)
+  assert (totals.skipped, totals.spikes) == (1, 1)
   assert totals.losses == [2.0, 3.0, 4.0, 5.0]
-  reporter.flush([_pending(4, skipped=True), _pending(5, spike=True)])
-  assert totals.consecutive_skipped == 2
+
+
+def test_a_fetch_counts_the_steps_in_a_row_the_state_did_not_take():
+  """What the loop stops on, from the fetches' records (no consumer counts it): the steps in a
+  row whose update was skipped or caught as a spike, through each fetch's last, carried from
+  the fetch before."""
+  reporter = Reporter(Hooks(), lambda: (0, False))
+  first = reporter.flush([_pending(0, skipped=True), _pending(1, spike=True), _pending(2),
+                          _pending(3, skipped=True)])
+  assert first.unapplied_in_a_row(0) == 1
+  second = reporter.flush([_pending(4, spike=True), _pending(5, skipped=True)])
+  assert second.unapplied_in_a_row(first.unapplied_in_a_row(0)) == 3
+  assert second.unapplied_in_a_row(0) == 2
+  assert reporter.flush([]) is None
 
 
 class _World:
@@ -185,6 +200,9 @@ class _World:
 
   def add_interval(self, factor, steps, seconds):
     self.log.append(("priced", factor, steps))
+
+  def saw_compile(self, seconds):
+    self.log.append(("compiled", seconds))
 
   def step_finished(self, steps_left):
     self.log.append(("autopilot", steps_left))
@@ -214,7 +232,7 @@ def _trainer_hooks(workdir, config, log: list, *, pilot: bool) -> Hooks:
   run = Run(settings, str(workdir), mesh=None, data=data, steps=None, console=console,
             checkpoints=None, restored=None)
   state = types.SimpleNamespace(params={})  # no parameters: the MFU is not the subject here
-  return trainer._hooks(run, step_consumers.Totals(), world, world, world,
+  return trainer._hooks(run, consumers.Totals(), world, world, world,
                         world if pilot else None, state)
 
 
@@ -235,21 +253,23 @@ def test_the_trainers_consumers_in_their_order(tmp_path):
 
 def test_what_the_trainers_consumers_do_in_order(tmp_path):
   """One clean fetch of a skipped step and a good one through the trainer's own consumers:
-  the scalars count the skipped step at that step (the totals ran before them); each step's
-  MoE telemetry (its evidence, its overflow alerts) comes before its skip alert and before the
-  autopilot decides on it; the writer's flush comes after the fetch's last write (its
-  expert-load image, its rates) and the console's line after everything."""
+  the scalars count the skipped step at that step; each step's MoE telemetry (its evidence,
+  its overflow alerts) comes before its skip alert and before the autopilot decides on it (the
+  first step's compile time before its decision); the writer's flush comes after the fetch's
+  last write (its expert-load image, its rates) and the console's line after everything."""
   log = []
   config = tiny_config()
+  steps = config.train_steps  # the autopilot hears the steps left after each
   hooks = _trainer_hooks(tmp_path, config, log, pilot=True)
   reporter = Reporter(hooks, lambda: (0, False))
-  reporter.flush([_pending(0)])  # compiles: not timed
+  reporter.flush([_pending(0, compile_seconds=12.5)])  # compiles: not timed
+  assert [entry for entry in log if entry[0] in ("compiled", "autopilot")] == [
+      ("compiled", 12.5), ("autopilot", steps - 1)], log
   del log[:]
   reporter.flush([_pending(1, skipped=True), _pending(2)])
   scalars = [(entry[1], entry[2].get("train/skipped_steps")) for entry in log
              if entry[0] == "scalars"]
   assert scalars == [(1, 1), (2, 1), (2, None)], log  # (2, None): the fetch's rates
-  steps = config.train_steps  # the autopilot hears the steps left after each
   shown = {"scalars": 2, "console": 1}  # the entries' fields compared here (the rest above)
   assert [entry[:shown.get(entry[0])] for entry in log] == [
       ("moe step", 1), ("scalars", 1), ("alert", "nonfinite_step", 1), ("autopilot", steps - 2),

@@ -16,9 +16,9 @@ import ml_collections
 import numpy as np
 import pytest
 
-from launch.errors import UserError
 from launch.hf.importing import configured
-from launch.training import trainer
+from launch.run import trainer
+from launch.setup.errors import UserError
 from tests.helpers import settings_of, tiny_config
 
 PROBE = "__sweep_probe__"

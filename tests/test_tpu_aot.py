@@ -14,7 +14,7 @@ from jax.sharding import NamedSharding
 
 import moe_hk
 from launch.compiling import topology
-from launch.training import memory
+from launch.model import memory
 from moe_hk import mesh as mesh_lib
 from tests.helpers import require_libtpu, user_precision
 

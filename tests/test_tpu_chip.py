@@ -18,8 +18,8 @@ import pytest
 
 import moe_hk
 from benchmarks import chip_step
-from launch.training import attention as attention_lib, steps as steps_lib
-from launch.training.steps import make_steps
+from launch.model import attention as attention_lib, train_step as steps_lib
+from launch.model.train_step import make_steps
 from tests.helpers import settings_of, tiny_config
 from tests.moe_inputs import outputs_and_grads, reference_outputs_and_grads, skewed_inputs
 from tests.tree_close import TOLERANCE, assert_trees_close, relative_error

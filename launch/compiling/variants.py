@@ -1,6 +1,6 @@
 """The MoE variants `launch.aot` compiles the train step in, and what each compile reports.
 
-Every variant is the same train step (`launch.training.steps`: value-and-grad, AdamW, the
+Every variant is the same train step (`launch.model.train_step`: value-and-grad, AdamW, the
 donated state) with the run's MoE layers set up another way (`variant_layer`): the worst-case
 buffer, the capped buffer (rows may drop), capped + the `layer` fallback with fixed or
 adaptive chunks, `step` mode, and capped + a Python-unrolled chunk loop, the naive form the
@@ -18,10 +18,9 @@ import jax
 
 import moe_hk
 from launch.compiling import flops as flops_lib
-from launch.training import memory
-from launch.settings import Settings
-from launch.training import model as model_lib
-from launch.training.steps import abstract_inputs, make_steps
+from launch.model import memory, transformer as model_lib
+from launch.model.train_step import abstract_inputs, make_steps
+from launch.setup.settings import Settings
 from moe_hk import fallback
 
 VARIANTS = ("worst_case", "capped", "fallback_scan", "fallback_adaptive", "step",

@@ -33,12 +33,12 @@ def _model(c: ml_collections.ConfigDict) -> None:
   # and key head before the rotation (Qwen3). Initialisation (any width): the embeddings start
   # at scale 1/(2 sqrt(emb_dim)) (a normal cut at two scales) and the logits are not scaled,
   # so they start at standard deviation 0.44 and the first loss is about ln(vocab_size) + 0.1
-  # (launch.training.model.embedding_init).
+  # (launch.model.transformer.embedding_init).
   c.tie_embeddings = True
   c.rope_theta = 10_000.0
   c.norm_eps = 1e-6
   c.qk_norm = False
-  # What the backward keeps of each layer group's forward (launch.training.model.REMAT_POLICIES):
+  # What the backward keeps of each layer group's forward (launch.model.transformer.REMAT_POLICIES):
   # 'full' (everything recomputed, as large MoE models train), 'save_attention_moe' (keeps
   # the attention and MoE outputs), 'none' (no remat). The trainer's MoE telemetry comes from
   # the step's outputs under every policy; only the per-step host callbacks of capped-only
@@ -59,7 +59,7 @@ def _model(c: ml_collections.ConfigDict) -> None:
 
 
 def _positions(c: ml_collections.ConfigDict) -> None:
-  """How attention sees positions (launch.training.positions); the defaults are the plain
+  """How attention sees positions (launch.model.positions); the defaults are the plain
   model above, the other values Llama 4's."""
   # 'rotate_half' pairs dimension i with i + head_dim/2; 'interleaved' 2i with 2i + 1.
   c.rope_layout = "rotate_half"
@@ -168,13 +168,13 @@ def _training(c: ml_collections.ConfigDict) -> None:
   # stop the run with a checkpoint of the last good state.
   c.skip_nonfinite_steps = True
   c.max_consecutive_nonfinite = 5
-  # Loss and gradient-norm spikes (launch.training.spikes): with enabled, a step whose loss or
+  # Loss and gradient-norm spikes (launch.model.spikes): with enabled, a step whose loss or
   # global gradient norm is more than `sigma` standard deviations above the mean of the last
   # `window` applied steps is skipped in the compiled step (params and optimizer state kept),
   # counted in train/spike_skipped_steps and alerted (loss_spike) with its data position.
   c.spikes = ml_collections.ConfigDict(dict(enabled=False, sigma=6.0, window=128))
   # Model FLOPs utilisation (train/mfu, the console's MFU): the chips' dense bf16 TFLOP/s;
-  # 0 takes launch.training.throughput's table for the device kind (none on CPU).
+  # 0 takes launch.run.throughput's table for the device kind (none on CPU).
   c.peak_tflops_per_device = 0.0
   # Evaluation, logging, checkpoints.
   c.eval_every = 50

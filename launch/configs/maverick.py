@@ -23,7 +23,7 @@ from launch.configs import default
 
 
 def _llama4_attention(c: ml_collections.ConfigDict) -> None:
-  """Llama 4's positions (launch.training.positions): every 4th block without RoPE, over the
+  """Llama 4's positions (launch.model.positions): every 4th block without RoPE, over the
   whole prefix with temperature-tuned queries (floor_scale 8192, attn_scale 0.1); the others
   with interleaved RoPE of base 500,000 within chunks of 8,192 positions (the whole sequence
   at seq_len 8192)."""

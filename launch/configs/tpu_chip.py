@@ -21,7 +21,7 @@ from launch.configs import default
 def get_config() -> ml_collections.ConfigDict:
   c = default.get_config()
   c.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=1, expert=1))
-  # Initialisation (launch.training.model.embedding_init): the embedding's scale is
+  # Initialisation (launch.model.transformer.embedding_init): the embedding's scale is
   # 1/(2 sqrt(emb_dim)) and the logits are not scaled, so the first loss is about ln(32768) +
   # 0.1 = 10.5 nats at this width (an embedding of unit deviation, logits over sqrt(emb_dim): 27).
   c.vocab_size = 32_768

@@ -13,10 +13,10 @@ import shutil
 
 import jax
 
-from launch import settings as settings_lib
-from launch.errors import UserError
+from launch.checkpoints import parameters
 from launch.hf import hf_config, importing, writing
-from launch.training import restoring
+from launch.setup import settings as settings_lib
+from launch.setup.errors import UserError
 
 
 def source_of(workdir: str) -> dict:
@@ -35,7 +35,7 @@ def export_run(workdir: str, folder: str, step: int | None, max_bytes: int) -> s
   source = source_of(workdir)
   hf, family = hf_config.exported(source["config"], source["dtype"])
   settings = settings_lib.build(settings_lib.saved(workdir), jax.device_count())
-  step, params = restoring.restore_params(settings, workdir, step)
+  step, params = parameters.restore_params(settings, workdir, step)
   named = writing.hf_tensors(params, family.tensors(hf_config.model_keys(hf)), source["dtype"])
   if jax.process_index() != 0:
     for _ in named:  # every process takes part in each leaf's gather

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import NamedTuple
 
-# The layer stack's block of the launcher's model with moe_every=1 (launch.training.model).
+# The layer stack's block of the launcher's model with moe_every=1 (launch.model.transformer).
 BLOCK = "model/groups/model/~_group/block_0"
 
 

@@ -14,9 +14,9 @@ import json
 import os
 from typing import Any
 
-from launch.errors import UserError
 from launch.hf import llama4, llama4_config, mixtral, qwen3_moe
 from launch.hf.family import Family
+from launch.setup.errors import UserError
 
 FAMILIES = {f.model_type: f for f in (mixtral.FAMILY, qwen3_moe.FAMILY, llama4.TEXT,
                                       llama4.MULTIMODAL)}

@@ -17,11 +17,13 @@ import ml_collections
 
 import metrics
 import moe_hk
-from launch import settings as settings_lib
-from launch.errors import user_errors
+from launch.checkpoints import store
+from launch.data import loader as data_lib
 from launch.hf import hf_config, reading
 from launch.hf.family import Tensor
-from launch.training import checkpoints, data as data_lib, spikes, steps as steps_lib
+from launch.model import spikes, train_step as steps_lib
+from launch.setup import settings as settings_lib
+from launch.setup.errors import user_errors
 
 SOURCE = "hf_source.json"        # in the workdir: the family, dtype and config.json imported
 # What a checkpoint folder may hold besides the weights that the run keeps and exports.
@@ -68,9 +70,9 @@ def _save(settings: settings_lib.Settings, workdir: str, state) -> None:
   with user_errors():
     data = data_lib.make_data(config, process_index=jax.process_index(),
                               process_count=jax.process_count())
-  saver = checkpoints.Checkpoints(workdir, keep=config.checkpoints_to_keep,
+  saver = store.Checkpoints(workdir, keep=config.checkpoints_to_keep,
                                   every=config.checkpoint_every)
-  saver.save(0, state, {"data": checkpoints.GetSetState(data), "moe_metrics": metrics.Aggregator()})
+  saver.save(0, state, {"data": store.GetSetState(data), "moe_metrics": metrics.Aggregator()})
   saver.wait()
   saver.close()
 

@@ -16,8 +16,8 @@ import jax
 import numpy as np
 from safetensors import safe_open
 
-from launch.errors import UserError
 from launch.hf.family import Tensor
+from launch.setup.errors import UserError
 
 
 class SafetensorsFolder(contextlib.ExitStack):

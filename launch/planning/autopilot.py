@@ -21,7 +21,7 @@ compiles a candidate's train step off the training thread, checks its memory aga
 (a program over it is refused for good: `Evidence.refused`) and hands it over at a step
 boundary; parameters and optimiser state are untouched (only the MoE buffers change), and
 with a fallback every factor is dropless, so no switch changes the math. Host-only: the
-compiler is handed in (`launch.training.programs`).
+compiler is handed in (`launch.compiling.programs`).
 """
 from __future__ import annotations
 
@@ -258,12 +258,12 @@ class ProgramCache:
 class Autopilot:
   """The controller and the program cache in the training loop.
 
-  The trainer calls `step_finished(steps_left)` after each finished step has reached the
-  evidence, and `switch(step)` before every step, which returns the program to run from
-  `step` on when a decided factor is compiled and fits, else None. `on_change(step, old, new,
-  decision)` is called on every switch (the trainer raises `buffer_factor_changed`). With
-  `wait`, a decision waits for its compile (a reproducible factor schedule); without, the old
-  program keeps training until the new one is ready.
+  The trainer calls `step_finished(steps_left)` after each finished step has reached the evidence
+  (`saw_compile(seconds)` before, for a step that compiled), and `switch(step)` before every step,
+  which returns the program to run from `step` on when a decided factor is compiled and fits, else
+  None. `on_change(step, old, new, decision)` is called on every switch (the trainer raises
+  `buffer_factor_changed`). With `wait`, a decision waits for its compile (a reproducible factor
+  schedule); without, the old program keeps training until the new one is ready.
   """
 
   def __init__(self, controller: FactorController, cache: ProgramCache, *,
@@ -274,8 +274,7 @@ class Autopilot:
     self.wait = wait
     self._decision: Decision | None = None
     self._ahead: float | None = None  # the factor compiled ahead since the last change
-    # What a new program costs, for a move's payback: the longest compile seen (the trainer
-    # sets the first step's).
+    # What a new program costs, for a move's payback: the longest compile seen (`saw_compile`).
     self.compile_seconds = 0.0
 
   @property
@@ -292,6 +291,10 @@ class Autopilot:
     old = state.get("controller", {})
     self.controller.since_change = int(state.get("since_change", old.get("since_change", 0)))
     self.cache.compiled = int(state["compiled"])
+
+  def saw_compile(self, seconds: float) -> None:
+    """A step compiled its program in `seconds` (its run included)."""
+    self.compile_seconds = max(self.compile_seconds, seconds)
 
   def step_finished(self, steps_left: int) -> None:
     """A step reached the evidence: decide, or compile the likely move ahead. A decision

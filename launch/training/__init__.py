@@ -1,1 +1,0 @@
-"""Training: the loop (`trainer`), its compiled steps, the model, data, checkpoints, console."""
