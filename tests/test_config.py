@@ -125,7 +125,7 @@ def test_bare_layer_checks_its_mesh_before_creating_parameters(axes, changes, pa
 
 
 def test_dropless_fallback_is_the_default():
-  assert moe_hk.MoEConfig(**BASE).moe_dropless_fallback == "layer"
+  assert moe_hk.MoEConfig(**BASE).layer_fallback
 
 
 def _jaxpr(config, factor, **kw):

@@ -83,7 +83,7 @@ def test_variants_differ_only_in_the_moe_layers():
   assert (adaptive.moe_dropless_fallback, adaptive.dropless_fallback_chunking) == (
       "layer", "adaptive")
   step = variants.variant_layer(base, "step")
-  assert step.moe_dropless_fallback == "step"
+  assert step.step_fallback
   for variant in (adaptive, step):  # the rest is the config's: its factor, its path
     assert dataclasses.replace(variant, moe_dropless_fallback=base.moe_dropless_fallback,
                                dropless_fallback_chunking=base.dropless_fallback_chunking) == base

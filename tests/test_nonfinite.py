@@ -135,7 +135,7 @@ def test_nonfinite_tokens_go_to_no_expert(ring, case):
   overrides, flags = CASES[case]
   config = moe_hk.MoEConfig(**BASE, **overrides, use_ring_of_experts=ring)
   mesh = moe_hk.make_mesh(**MESH)
-  step_mode = config.moe_dropless_fallback == "step"
+  step_mode = config.step_fallback
 
   @jax.jit
   def run(params, x, cot, flag):
@@ -144,7 +144,7 @@ def test_nonfinite_tokens_go_to_no_expert(ring, case):
     return outputs_and_grads(layer, params, x, cot)
 
   e = _expected()
-  overflowed = config.moe_dropless_fallback == "layer"
+  overflowed = config.layer_fallback
   assert not overflowed or e["required"] > config.ragged_buffer_factor
   for flag in flags:
     y, stats, grads = run(e["params"], e["x"], e["cot"], flag)
@@ -160,7 +160,7 @@ def test_default_layer_mode_neither_falls_back_nor_blames_an_expert():
   its capped and chunked paths are checked above)."""
   e = _expected()
   config = moe_hk.MoEConfig(**BASE, ragged_buffer_factor=FACTOR)
-  assert config.moe_dropless_fallback == "layer"
+  assert config.layer_fallback
   y, stats = jax.jit(functools.partial(moe_hk.moe_forward, config=config,
                                        mesh=moe_hk.make_mesh(**MESH)))(e["params"], e["x"])
   _check(y, stats, fell_back=False)

@@ -20,7 +20,7 @@ K = 2
 def _two_layers(config, mesh):
   """(params pair, x, cot) -> (sum(y * cot), stats pair): two MoE layers with a residual, the
   second fed the step-mode flag of the first (in 'step' mode)."""
-  step_mode = config.moe_dropless_fallback == "step"
+  step_mode = config.step_fallback
   layer = functools.partial(moe_hk.moe_forward, config=config, mesh=mesh)
 
   def loss(params, x, cot):
