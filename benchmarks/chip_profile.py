@@ -133,6 +133,10 @@ def main(argv: list[str]) -> None:
   config = settings_lib.load(args.config, [tuple(f[len("--config."):].split("=", 1))
                                            for f in config_flags])
   platform.setup(settings_lib.cpu_devices(config))
+  import jax
+  if jax.devices()[0].platform != "tpu":
+    sys.exit(f"chip_profile: needs a TPU chip (it reads the TPU's op line of the trace); this "
+             f"machine runs jax on {jax.devices()[0].platform} (there: benchmarks.chip_step)")
   with tempfile.TemporaryDirectory() as scratch:
     trace_dir = args.trace_dir or scratch
     figures = chip_step.measure(config, args.steps, args.warmup, profile_dir=trace_dir,
