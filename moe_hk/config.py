@@ -103,7 +103,7 @@ class MoEConfig:
   num_experts_per_tok: int
   emb_dim: int
   mlp_dim: int
-  ragged_buffer_factor: float = -1.0
+  ragged_buffer_factor: float = float(WORST_CASE)
   moe_dropless_fallback: str = "layer"
   dropless_fallback_num_chunks: int = 0
   dropless_fallback_chunking: str = "adaptive"

@@ -21,7 +21,7 @@ from launch.compiling import flops as flops_lib
 from launch.model import memory, transformer as model_lib
 from launch.model.train_step import abstract_inputs, make_steps
 from launch.setup.settings import Settings
-from moe_hk import fallback
+from moe_hk import buffer_size, fallback
 
 VARIANTS = ("worst_case", "capped", "fallback_scan", "fallback_adaptive", "step",
             "fallback_unrolled")
@@ -43,7 +43,8 @@ def trained_variant(layer: moe_hk.MoEConfig) -> str:
 def variant_layer(layer: moe_hk.MoEConfig, variant: str) -> moe_hk.MoEConfig:
   """`layer` set up as `variant` (the buffer factor stays the run's, except the worst case)."""
   if variant == "worst_case":
-    return dataclasses.replace(layer, ragged_buffer_factor=-1.0, moe_dropless_fallback="none")
+    return dataclasses.replace(layer, ragged_buffer_factor=float(buffer_size.WORST_CASE),
+                               moe_dropless_fallback="none")
   if variant == "capped":
     return dataclasses.replace(layer, moe_dropless_fallback="none")
   if variant == "step":
