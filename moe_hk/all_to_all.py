@@ -22,7 +22,11 @@ from moe_hk.vma import vary_like
 
 def native_ragged_all_to_all(operand: jax.Array, output: jax.Array, exchange: Exchange,
                              axis_name: str) -> jax.Array:
-  return jax.lax.ragged_all_to_all(operand, output, *exchange, axis_name=axis_name)
+  """XLA's collective. Its result takes `output`'s type, so a buffer made inside shard_map
+  (`jnp.zeros`, replicated by type) is first marked varying like the rows it receives: typed
+  replicated, its gradient would be summed over the shards."""
+  return jax.lax.ragged_all_to_all(operand, vary_like(output, operand), *exchange,
+                                   axis_name=axis_name)
 
 
 def emulated_ragged_all_to_all(operand: jax.Array, output: jax.Array, exchange: Exchange,

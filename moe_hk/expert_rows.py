@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from moe_hk.config import MoEConfig
 from moe_hk.expert_types import Backends, ExpertWeights
 from moe_hk.grouped_matmul import expert_mlp
+from moe_hk.vma import sum_to_axes_of, vary_like
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
@@ -34,15 +35,19 @@ def take_rows(source: jax.Array, index: jax.Array, inverse: jax.Array, kept: jax
 
 
 def _take_rows_fwd(source, index, inverse, kept, copies):
-  return take_rows(source, index, inverse, kept, copies), (inverse, kept)
+  # An empty array of source's type: the backward returns a cotangent of that type.
+  like = vary_like(jnp.zeros((0,), source.dtype), source)
+  return take_rows(source, index, inverse, kept, copies), (inverse, kept, like)
 
 
 def _take_rows_bwd(copies, residuals, g):
-  inverse, kept = residuals
+  inverse, kept, like = residuals
   rows = jnp.take(g, jnp.where(inverse < kept, inverse, g.shape[0]), axis=0, mode="fill",
                   fill_value=0).reshape(-1, copies, g.shape[-1])
   summed = rows[:, 0] if copies == 1 else jnp.sum(rows.astype(jnp.float32), axis=1)
-  return summed.astype(g.dtype), None, None, None
+  # A source replicated over an axis the rows vary over gets the sum of its shards' cotangents,
+  # as autodiff gives a replicated value used on every shard.
+  return sum_to_axes_of(summed.astype(like.dtype), like), None, None, None
 
 
 take_rows.defvjp(_take_rows_fwd, _take_rows_bwd)
