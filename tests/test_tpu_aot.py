@@ -37,9 +37,9 @@ def _mesh():
   return moe_hk.make_mesh(expert=SHARDS, devices=topology.tpu_topology_devices("v5p:2x2x1"))
 
 
-@functools.lru_cache(maxsize=None)
-def _compiled(config: moe_hk.MoEConfig, seq: int = SEQ):
-  """The layer's value-and-grad step on `[BATCH, seq]` tokens, compiled for v5p:2x2x1."""
+def _loss_and_inputs(config: moe_hk.MoEConfig, seq: int = SEQ):
+  """The layer's loss `sum(y ** 2) + lb_loss` on the v5p:2x2x1 mesh and its abstract inputs
+  (parameters, `[BATCH, seq]` tokens), sharded as the layer wants them."""
   mesh = _mesh()
   specs = moe_hk.param_specs(config, mesh)
   params = moe_hk.MoEParams(jnp.zeros((EMB, EXPERTS)), jnp.zeros((EXPERTS, EMB, MLP)),
@@ -51,6 +51,13 @@ def _compiled(config: moe_hk.MoEConfig, seq: int = SEQ):
   def loss(p, xx):
     y, stats = moe_hk.moe_forward(p, xx, config=config, mesh=mesh)
     return jnp.sum(y ** 2) + stats.lb_loss
+  return loss, params, x
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(config: moe_hk.MoEConfig, seq: int = SEQ):
+  """The layer's value-and-grad step on `[BATCH, seq]` tokens, compiled for v5p:2x2x1."""
+  loss, params, x = _loss_and_inputs(config, seq)
   with user_precision():
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(params, x).compile()
 
@@ -75,6 +82,20 @@ def test_native_path_compiles_for_v5p_with_the_configured_buffer(factor):
   rows = {int(r) for r in re.findall(
       r"= f32\[(\d+),1,128\][^ ]* ragged-all-to-all(?:-done)?\(", hlo)}
   assert max(rows) == BUFFER_ROWS[factor] and min(rows) == 2048, (factor, rows)
+
+
+@pytest.mark.parametrize("fallback", ["none", "layer"])
+def test_native_path_backward_sums_no_shards_rows(fallback):
+  """The receive buffer holds each shard's own rows, so the backward sends each shard's
+  cotangent of them back to their senders and sums none of it over the mesh. Typed
+  replicated (a `jnp.zeros` buffer made inside shard_map, whose type the collective's result
+  takes), the buffer's `[R, D]` cotangent was psummed over every mesh axis first: every
+  sender got the sum of all shards' cotangents."""
+  loss, params, x = _loss_and_inputs(_config(1.0).replace(moe_dropless_fallback=fallback))
+  jaxpr = str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(params, x))
+  assert re.findall(r"psum", jaxpr), "the control: the router's gradient is summed"
+  summed_rows = re.findall(rf"f32\[(\d+),{EMB}\](?:{{[^}}]*}})? = psum", jaxpr)
+  assert not summed_rows, summed_rows
 
 
 def test_capped_buffer_needs_less_tpu_memory_than_worst_case():
