@@ -82,7 +82,8 @@ def grouped_experts_mlp(rows: jax.Array, experts: ExpertWeights, group_sizes: ja
                         config: MoEConfig, backends: Backends) -> jax.Array:
   """SwiGLU of rows `[R, D]` grouped by local expert (`group_sizes [L]`, then padding rows,
   which come back 0; cut them off the gradient where they are gathered (`take_rows`,
-  `grouped_rows`): their gradient is undefined with 'megablox') with `experts` in the compute dtype -> `[R, D]`."""
+  `grouped_rows`): their gradient is undefined with 'megablox') with `experts` in the compute
+  dtype -> `[R, D]`."""
   return expert_mlp(rows, experts.wi_0, experts.wi_1, experts.wo, group_sizes, backends.gmm,
                     config.gmm_block_rows, backends.interpret)
 

@@ -40,8 +40,9 @@ def ragged_moe(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, experts:
   order = jnp.argsort(expert_ids.reshape(-1), stable=True)       # [N], by expert
   unsort = inverse_permutation(order)
   every = jnp.int32(order.shape[0])
-  sorted_rows = weighted_inputs(take_rows(x.astype(config.compute_dtype), order, unsort, every, k),
-                                weights.reshape(-1)[order], config)   # [N, D]
+  sorted_rows = weighted_inputs(
+      take_rows(x.astype(config.compute_dtype), order, unsort, every, k),
+      weights.reshape(-1)[order], config)                        # [N, D]
   plan = dispatch_plan.make_plan(gather_counts(expert_ids, config), jax.lax.axis_index(axis),
                                  rows)
   buffer = ragged_all_to_all(sorted_rows, jnp.zeros((rows, x.shape[-1]), sorted_rows.dtype),
