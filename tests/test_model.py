@@ -12,7 +12,7 @@ import pytest
 from jax.extend import core as jax_core
 
 import moe_hk
-from launch.model import transformer as model_lib
+from launch.model import loss as loss_lib, transformer as model_lib
 from launch.model.train_step import make_steps
 from launch.setup import choices, settings as settings_lib
 from tests.helpers import settings_of, tiny_config
@@ -49,10 +49,14 @@ def test_chunked_cross_entropy_matches_whole_sequence_and_reference(chunk):
   targets = jax.random.randint(jax.random.key(chunk), (b, s), 0, vocab)
   def value_and_grads(loss):
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(hidden, embeddings)
-  loss_of = lambda c: lambda h, e: model_lib.cross_entropy(h, e, targets, c)
+  loss_of = lambda c: lambda h, e: loss_lib.cross_entropy(h, e, targets, c)
   chunked, whole = value_and_grads(loss_of(chunk)), value_and_grads(loss_of(0))
   ref = value_and_grads(lambda h, e: reference_cross_entropy(h, e, targets))
   assert "scan" in str(jax.make_jaxpr(loss_of(chunk))(hidden, embeddings))
+  # The gradient is made where the logits are: three matmuls a chunk (logits, then the
+  # gradients of hidden and of the embeddings), none run again in the backward.
+  grad_jaxpr = str(jax.make_jaxpr(jax.grad(loss_of(chunk), argnums=(0, 1)))(hidden, embeddings))
+  assert grad_jaxpr.count("dot_general[") == 3, grad_jaxpr
   assert_trees_close(chunked, whole, what="chunked vs whole sequence")
   assert_trees_close(chunked, ref, what="chunked vs reference")
   assert_trees_close(whole, ref, what="whole sequence vs reference")
@@ -107,7 +111,7 @@ def test_shared_expert_parameters_gradients_and_contribution():
   def loss(p):
     out = shared.apply(p, None, tokens)
     targets = jnp.roll(tokens, -1, axis=1)
-    return model_lib.cross_entropy(out.hidden, out.embeddings, targets), out.hidden
+    return loss_lib.cross_entropy(out.hidden, out.embeddings, targets), out.hidden
   # One compiled program for every variant of the parameters below.
   run = jax.jit(jax.grad(loss, has_aux=True))
   grads, hidden = run(params)
@@ -146,7 +150,7 @@ def test_remat_policies_give_the_same_step_and_keep_fallback_events():
         params = jax.jit(net.init)(jax.random.key(1), tokens, None)
       def loss(p, net=net):
         out = net.apply(p, None, tokens, jnp.int32(7))
-        ce = model_lib.cross_entropy(out.hidden, out.embeddings, jnp.roll(tokens, -1, axis=1))
+        ce = loss_lib.cross_entropy(out.hidden, out.embeddings, jnp.roll(tokens, -1, axis=1))
         return ce, out.moe_stats
       (value, stats), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
       jax.effects_barrier()
@@ -249,7 +253,7 @@ def test_a_remat_unit_per_block_computes_the_groups_step(llama4_pattern):
     net = _transformer(config, settings_of(config).layer, mesh)
     def loss(p, net=net):
       out = net.apply(p, None, tokens, None)
-      ce = model_lib.cross_entropy(out.hidden, out.embeddings, jnp.roll(tokens, -1, axis=1))
+      ce = loss_lib.cross_entropy(out.hidden, out.embeddings, jnp.roll(tokens, -1, axis=1))
       return ce, out.moe_stats
     remat_units[unit] = _count_equations(jax.make_jaxpr(loss)(params).jaxpr, remat)
     steps[unit] = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)

@@ -13,7 +13,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import moe_hk
-from launch.model import transformer as model_lib
+from launch.model import loss, transformer as model_lib
 from launch.setup.settings import Settings
 from moe_hk import buffer_size, fallback, shard_forward
 
@@ -27,7 +27,7 @@ def forward(settings: Settings, mesh: Mesh) -> Forward:
 
   def apply(tokens):
     out = model_lib.Transformer(config, settings.layer, mesh, name="model")(tokens)
-    scores = model_lib.logits(out.hidden, out.embeddings)
+    scores = loss.logits(out.hidden, out.embeddings)
     return scores, out.moe_stats
   model = hk.transform(apply)
   batch = NamedSharding(mesh, P(tuple(mesh.axis_names)))

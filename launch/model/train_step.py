@@ -19,7 +19,8 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from launch.model import memory, sharding, spikes as spikes_lib
-from launch.model.transformer import Transformer, cross_entropy
+from launch.model.loss import cross_entropy
+from launch.model.transformer import Transformer
 from launch.setup.settings import Settings
 from moe_hk import step_mode as step_mode_lib
 from moe_hk.stats import MoEStats
@@ -127,8 +128,6 @@ def _train_step(model: hk.Transformed, config, tx: optax.GradientTransformation,
         state.params, batch, state.step)
     dropless = step_mode_lib.any_overflow(stats) if step_mode else None
     grad_norm = optax.tree.norm(gradients)
-    updates, opt_state = tx.update(gradients, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
     finite = jnp.isfinite(total) & jnp.isfinite(grad_norm)
     keep_old = ~finite if config.skip_nonfinite_steps else jnp.zeros((), bool)
     window, test = state.spikes, None
@@ -136,11 +135,17 @@ def _train_step(model: hk.Transformed, config, tx: optax.GradientTransformation,
       test = spikes_lib.check(window, ce, grad_norm, config.spikes.sigma)
       keep_old = keep_old | test.spike
       window = spikes_lib.push(window, ce, grad_norm, ~keep_old)
+
+    def apply(params, opt_state):
+      updates, opt_state = tx.update(gradients, opt_state, params)
+      return optax.apply_updates(params, updates), opt_state
     if config.skip_nonfinite_steps or spiking:
-      # One select per leaf, fused into the update on the donated buffers: a skipped step
-      # keeps the params and optimizer state it was given.
-      keep = lambda new, old: jnp.where(keep_old, old, new)
-      params, opt_state = jax.tree.map(keep, (params, opt_state), (state.params, state.opt_state))
+      # A skipped step keeps the params and optimizer state it was given: a branch around the
+      # update, rather than a select per leaf after it that read the old state once more.
+      params, opt_state = jax.lax.cond(keep_old, lambda *old: old, apply, state.params,
+                                       state.opt_state)
+    else:
+      params, opt_state = apply(state.params, state.opt_state)
     new_state = TrainState(state.step + 1, params, opt_state, window)
     return new_state, StepOutputs(ce, grad_norm, schedule(state.step), ~finite, stats, test,
                                   dropless)

@@ -265,40 +265,6 @@ def embedding_init(width: int) -> hk.initializers.Initializer:
   return hk.initializers.TruncatedNormal(0.5 / math.sqrt(width))
 
 
-def logits(hidden: jax.Array, embeddings: jax.Array) -> jax.Array:
-  """`hidden [B, S, D] @ embeddings [V, D].T`: float32 logits `[B, S, V]`."""
-  return jnp.einsum("bsd,vd->bsv", hidden, embeddings.astype(hidden.dtype),
-                    preferred_element_type=jnp.float32)
-
-
-def cross_entropy(hidden: jax.Array, embeddings: jax.Array, targets: jax.Array,
-                  chunk: int = 0) -> jax.Array:
-  """Mean next-token cross-entropy of `hidden [B, S, D]` against `targets [B, S]`.
-
-  Logits are `logits(hidden, embeddings)`, in float32. `chunk` > 0 computes them `chunk`
-  positions at a time in a checkpointed scan, so a `[B, S, V]` logits array never exists (a
-  large vocabulary at a long sequence would not fit); 0 does it in one piece.
-  """
-  seq = hidden.shape[1]
-  chunk = chunk or seq
-  if seq % chunk:
-    raise ValueError(f"loss_chunk={chunk} must divide the sequence length {seq}.")
-
-  def summed(h, t):
-    scores = logits(h, embeddings)
-    log_z = jax.nn.logsumexp(scores, axis=-1)
-    picked = jnp.take_along_axis(scores, t[..., None], axis=-1)[..., 0]
-    return jnp.sum(log_z - picked)
-
-  if chunk == seq:
-    return summed(hidden, targets) / targets.size
-  split = lambda a: a.reshape(a.shape[0], seq // chunk, chunk, *a.shape[2:]).swapaxes(0, 1)
-  body = jax.checkpoint(summed, policy=jax.checkpoint_policies.nothing_saveable)
-  total = jax.lax.scan(lambda acc, xs: (acc + body(*xs), None), jnp.zeros((), jnp.float32),
-                       (split(hidden), split(targets)))[0]
-  return total / targets.size
-
-
 def parameter_counts(params: hk.Params) -> tuple[int, int]:
   """(all parameters, the routed experts' of them) in `params` (arrays or shapes): the routed
   experts' are the MoE blocks' `wi_0`, `wi_1` and `wo`."""
