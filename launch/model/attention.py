@@ -87,7 +87,9 @@ def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array, block: int, chunk: i
 
 
 def splash_block_sizes(seq: int) -> splash.BlockSizes:
-  """Splash tiles for sequence length `seq`: the largest of `_SPLASH_BLOCKS` dividing it."""
+  """Splash tiles for sequence length `seq`: the largest of `_SPLASH_BLOCKS` dividing it, and
+  one backward kernel for dq, dk and dv (on a v5e chip at S=2048, 0.459 s a step of
+  `tpu_chip.py` against 0.469 with separate dq and dkv kernels, docs/tpu-chip.md)."""
   block = next((b for b in _SPLASH_BLOCKS if seq % b == 0), None)
   if block is None:
     raise ValueError(
@@ -95,7 +97,7 @@ def splash_block_sizes(seq: int) -> splash.BlockSizes:
         f"{_SPLASH_BLOCKS[-1]} (its tiles are {_SPLASH_BLOCKS}).")
   return splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block,
                            block_q_dkv=block, block_kv_dkv=block, block_kv_dkv_compute=block,
-                           block_q_dq=block, block_kv_dq=block)
+                           use_fused_bwd_kernel=True)
 
 
 def splash_kernel(seq: int, heads: int, interpret: bool, chunk: int = 0
