@@ -32,7 +32,10 @@ def get_config() -> ml_collections.ConfigDict:
   c.mlp_dim = 5632
   c.dtype = "bfloat16"
   c.optimizer_state_dtype = "bfloat16"
-  c.remat_policy = "full"
+  # Each group recomputed in the backward but for its projections' outputs (the matmuls whose
+  # operands share no batch axis): 13.2 GiB on the chip instead of 11.6, 0.455 s a step instead
+  # of 0.469 (docs/tpu-chip.md).
+  c.remat_policy = "save_dots"
   c.attention_impl = "auto"   # splash attention on TPU (the XLA form elsewhere)
   c.loss_chunk = 512          # a [8, 512, 32768] float32 logits block at a time
   # Below factor 1 the fallback runs in 8 chunks, not the fewest that fit (2): compiled for
