@@ -47,21 +47,21 @@ def largest_ballast(compiled, init, batch, limit: int, resolution: int = 64 << 2
   allocator's fragmentation together, whatever its statistics count."""
   import jax
   import jax.numpy as jnp
-  fits, too_big = 0, limit
-  while too_big - fits > resolution:
-    size = (fits + too_big) // 2 // resolution * resolution
+  fits, too_big = 0, limit // resolution + 1  # in units of `resolution`
+  while too_big - fits > 1:
+    units = (fits + too_big) // 2
     state = init()
     try:
-      ballast = jnp.zeros((size,), jnp.uint8)
+      ballast = jnp.zeros((units * resolution,), jnp.uint8)
       jax.block_until_ready(compiled(state, batch))
-      fits = size
+      fits = units
     except jax.errors.JaxRuntimeError as e:
       if "RESOURCE_EXHAUSTED" not in str(e):
         raise
-      too_big = size
+      too_big = units
     finally:
       ballast = state = None  # noqa: F841  (frees both before the next try)
-  return fits
+  return fits * resolution
 
 
 def measure(config, steps: int, warmup: int, profile_dir: str = "", keep_hlo: bool = False,
