@@ -121,14 +121,15 @@ def test_splash_form_in_interpret_mode_matches_dense_reference():
 
 
 def test_the_train_step_with_splash_runs_under_every_remat_policy(monkeypatch):
-  """The launcher's real train step and eval step with `attention_impl='splash'` (Pallas
-  interpret mode on the CPU mesh), its layer groups scanned and rematerialised under every
-  policy: loss, gradient norm, updated parameters and eval loss equal the XLA form's. A
-  kernel built inside the group's trace failed this with an UnexpectedTracerError."""
+  """The launcher's real train step with `attention_impl='splash'` (Pallas interpret mode on
+  the CPU mesh), its layer groups scanned and rematerialised under every policy: loss,
+  gradient norm and updated parameters equal the XLA form's, and so does the eval step's loss
+  (a forward, the same program under every policy: compiled once). A kernel built inside the
+  group's trace failed this with an UnexpectedTracerError."""
   monkeypatch.setitem(choices._RUNS_ON, "splash", ("tpu", "cpu"))  # interpret mode here
   batch = np.random.default_rng(0).integers(0, 256, (8, 129), np.int32)
 
-  def one_step(impl: str, policy: str):
+  def one_step(impl: str, policy: str, evaluate: bool):
     config = tiny_config(attention_impl=impl, remat_policy=policy)
     config.data.seq_len = 128  # one 128-wide splash tile
     config.warmup_steps = 0  # a step that moves the parameters
@@ -136,41 +137,59 @@ def test_the_train_step_with_splash_runs_under_every_remat_policy(monkeypatch):
     state, out = steps.train(steps.init(jax.random.key(0)),
                              jax.device_put(batch, steps.batch_sharding))
     return jax.device_get((out.loss, out.grad_norm, state.params,
-                           steps.eval_loss(state.params, batch)))
-  expected = one_step("xla", "none")
+                           steps.eval_loss(state.params, batch) if evaluate else None))
+  expected = one_step("xla", "none", evaluate=True)
   for policy in REMAT_POLICIES:
-    assert_trees_close(one_step("splash", policy), expected, rtol=1e-5,
-                       what=f"splash train step, remat_policy={policy!r}")
+    evaluate = policy == "none"
+    assert_trees_close(one_step("splash", policy, evaluate),
+                       expected if evaluate else (*expected[:3], None),
+                       rtol=1e-5, what=f"splash train step, remat_policy={policy!r}")
 
 
-def test_splash_form_compiles_for_v5p():
+@pytest.mark.parametrize("s", [256, 4096])
+def test_splash_form_compiles_for_v5p(s, monkeypatch):
   """Value and grad of bf16 splash attention, batch sharded over a 4-chip v5p mesh, under the
-  suite's 'highest' default matmul precision (which Mosaic refuses unless the form pins it)."""
+  suite's 'highest' default matmul precision (which Mosaic refuses unless the form pins it).
+  At S=256 (2 key/value tiles) the backward is one fused kernel; at S=4096 (8 tiles) it is
+  the dq and dkv kernels, and the step holds less than with the fused kernel's dq partials."""
   require_libtpu()
   mesh = moe_hk.make_mesh(data=2, expert=2, devices=topology.tpu_topology_devices("v5p:2x2x1"))
   sharding = NamedSharding(mesh, mesh_lib.batch_spec(mesh))
-  b, s, g, r, dh = 4, 256, 2, 2, 128
+  b, g, r, dh = 4, 2, 2, 128
   q = jax.ShapeDtypeStruct((b, s, g, r, dh), jnp.bfloat16, sharding=sharding)
   kv = jax.ShapeDtypeStruct((b, s, g, dh), jnp.bfloat16, sharding=sharding)
 
   def loss(q_, k_, v_):
     out = attention.causal_attention(q_, k_, v_, impl="splash", block=0, mesh=mesh)
     return jnp.sum(out.astype(jnp.float32) ** 2)
-  program = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).lower(q, kv, kv).compile()
-  # One Mosaic call for the forward and one for the fused dq, dk, dv kernel (vmap batches
-  # each into one).
-  assert program.as_text().count('custom_call_target="tpu_custom_call"') == 2
-  assert program.memory_analysis().temp_size_in_bytes > 0
+  def compile_step():
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).lower(q, kv, kv).compile()
+  program = compile_step()
+  # One Mosaic call for the forward, and the backward's (vmap batches each into one).
+  fused = attention.splash_block_sizes(s).use_fused_bwd_kernel
+  assert fused == (s == 256)
+  assert program.as_text().count('custom_call_target="tpu_custom_call"') == (2 if fused else 3)
+  temp = program.memory_analysis().temp_size_in_bytes
+  assert temp > 0
+  if not fused:
+    chosen = attention.splash_block_sizes
+    monkeypatch.setattr(attention, "splash_block_sizes", lambda seq: dataclasses.replace(
+        chosen(seq), use_fused_bwd_kernel=True, block_q_dq=None, block_kv_dq=None))
+    partials = compile_step().memory_analysis().temp_size_in_bytes
+    assert temp < partials, (temp, partials)
 
 
-@pytest.mark.parametrize("seq,block", [(8192, 512), (768, 256), (384, 128), (128, 128)])
-def test_splash_tiles_are_the_largest_that_divide_the_sequence(seq, block):
+@pytest.mark.parametrize("seq,block,fused", [(8192, 512, False), (2048, 512, True),
+                                             (2560, 512, False), (768, 256, True),
+                                             (384, 128, True), (128, 128, True)])
+def test_splash_tiles_are_the_largest_that_divide_the_sequence(seq, block, fused):
+  """The largest tile that divides S, every kernel's; the fused backward (no dq tiles of its
+  own) up to 4 key/value tiles, then the separate dq kernel."""
   sizes = dataclasses.asdict(attention.splash_block_sizes(seq))
   tiles = {name: value for name, value in sizes.items()
            if name.startswith("block_") and value is not None}
-  # One backward kernel: no dq tiles of its own.
-  assert sizes["use_fused_bwd_kernel"] and "block_q_dq" not in tiles, sizes
-  assert set(tiles.values()) == {block} and len(tiles) == 6, tiles
+  assert sizes["use_fused_bwd_kernel"] == fused, sizes
+  assert set(tiles.values()) == {block} and len(tiles) == (6 if fused else 8), tiles
 
 
 def test_splash_needs_a_sequence_multiple_of_128():

@@ -24,6 +24,9 @@ from launch.setup.choices import ATTENTION_IMPLS
 # sequences (fewer grid steps, still small in VMEM: a [512, 512] float32 score tile is 1 MiB);
 # 128 is the floor, since the kernel computes key/value tiles a multiple of 128 lanes wide.
 _SPLASH_BLOCKS = (512, 256, 128)
+# The most key/value tiles a sequence may have for the fused backward kernel (whose dq partials,
+# one per tile, are each the size of q): `splash_block_sizes`.
+_FUSED_DQ_PARTIALS = 4
 
 
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, impl: str, block: int,
@@ -87,17 +90,26 @@ def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array, block: int, chunk: i
 
 
 def splash_block_sizes(seq: int) -> splash.BlockSizes:
-  """Splash tiles for sequence length `seq`: the largest of `_SPLASH_BLOCKS` dividing it, and
-  one backward kernel for dq, dk and dv (on a v5e chip at S=2048, 0.459 s a step of
-  `tpu_chip.py` against 0.469 with separate dq and dkv kernels, docs/tpu-chip.md)."""
+  """Splash tiles for sequence length `seq`: the largest of `_SPLASH_BLOCKS` dividing it.
+
+  The backward is one fused kernel for dq, dk and dv while `seq / block` is at most
+  `_FUSED_DQ_PARTIALS`: that kernel writes one dq partial per key/value tile (`[seq / block,
+  *q.shape]`, in q's dtype) and sums them after, so its memory grows with the sequence (on a
+  v5e chip at S=2048, 4 partials, it took 0.459 s a step of `tpu_chip.py` against 0.469 with
+  separate kernels, docs/tpu-chip.md). Longer sequences get the separate dq kernel, which
+  accumulates dq in place: Maverick at S=8192 (16 partials) held 8.75 GiB more per v5p chip
+  with the fused kernel (docs/aot-memory.md).
+  """
   block = next((b for b in _SPLASH_BLOCKS if seq % b == 0), None)
   if block is None:
     raise ValueError(
         f"splash attention needs the sequence length {seq} to be a multiple of "
         f"{_SPLASH_BLOCKS[-1]} (its tiles are {_SPLASH_BLOCKS}).")
+  fused = seq // block <= _FUSED_DQ_PARTIALS
+  dq_tiles = {} if fused else dict(block_q_dq=block, block_kv_dq=block)
   return splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block,
                            block_q_dkv=block, block_kv_dkv=block, block_kv_dkv_compute=block,
-                           use_fused_bwd_kernel=True)
+                           use_fused_bwd_kernel=fused, **dq_tiles)
 
 
 def splash_kernel(seq: int, heads: int, interpret: bool, chunk: int = 0
