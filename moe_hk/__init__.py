@@ -10,7 +10,8 @@ import importlib
 _HOMES = {"MoEConfig": "moe_hk.config", "MoELayer": "moe_hk.layer",
           "check_layer": "moe_hk.mesh", "make_mesh": "moe_hk.mesh",
           "MoEParams": "moe_hk.mesh_forward", "moe_forward": "moe_hk.mesh_forward",
-          "param_specs": "moe_hk.mesh_forward", "MoEStats": "moe_hk.stats"}
+          "param_specs": "moe_hk.mesh_forward", "MoEStats": "moe_hk.stats",
+          "EXPERT_MATMUL": "moe_hk.expert_swiglu"}
 
 __all__ = sorted(_HOMES)
 

@@ -22,7 +22,7 @@ from typing import Any, Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from moe_hk import megablox, tokamax_gmm
+from moe_hk import expert_swiglu, megablox, tokamax_gmm
 from moe_hk.vma import sum_to_axes_of, vary_like
 
 # The smallest tile is about block_rows / 8 rows: the masked tail of a group then wastes at
@@ -155,10 +155,6 @@ def _tiled_matmul_bwd(levels, res, dy):
 tiled_matmul.defvjp(_tiled_matmul_fwd, _tiled_matmul_bwd)
 
 
-def _swiglu(h0: jax.Array, h1: jax.Array) -> jax.Array:
-  return jax.nn.silu(h0) * h1
-
-
 def blocked_grouped_matmul(lhs, rhs, group_sizes, block_rows: int) -> jax.Array:
   """`lhs [M, K]` grouped rows times `rhs [G, K, N]` -> `[M, N]` (padding rows give 0)."""
   levels = tile_levels(block_rows, lhs.shape[0])
@@ -169,15 +165,15 @@ def blocked_expert_mlp(x, wi_0, wi_1, wo, group_sizes, block_rows: int) -> jax.A
   """SwiGLU experts on grouped rows `x [M, D]` -> `[M, D]`; one tiling for all three matmuls."""
   levels = tile_levels(block_rows, x.shape[0])
   tiles = tiling(group_sizes, levels)
-  h = _swiglu(tiled_matmul(x, wi_0, tiles, levels), tiled_matmul(x, wi_1, tiles, levels))  # [M, F]
-  return tiled_matmul(h, wo, tiles, levels)
+  return expert_swiglu.swiglu(lambda rows, w: tiled_matmul(rows, w, tiles, levels),
+                              x, wi_0, wi_1, wo)
 
 
 def ragged_dot_expert_mlp(x, wi_0, wi_1, wo, group_sizes) -> jax.Array:
   """SwiGLU experts with `jax.lax.ragged_dot`; rows past the groups are zeroed explicitly."""
   group_sizes = group_sizes.astype(jnp.int32)
-  h = _swiglu(jax.lax.ragged_dot(x, wi_0, group_sizes), jax.lax.ragged_dot(x, wi_1, group_sizes))
-  y = jax.lax.ragged_dot(h, wo, group_sizes)
+  y = expert_swiglu.swiglu(lambda rows, w: jax.lax.ragged_dot(rows, w, group_sizes),
+                           x, wi_0, wi_1, wo)
   in_group = jnp.arange(x.shape[0]) < jnp.sum(group_sizes)
   return jnp.where(in_group[:, None], y, 0)
 

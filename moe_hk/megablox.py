@@ -27,6 +27,8 @@ import importlib
 import jax
 import jax.numpy as jnp
 
+from moe_hk import expert_swiglu
+
 # The kernels' public module, `megablox/gmm.py` (its `gmm` and `tgmm`). The package exports
 # the custom-VJP `gmm` function under the same name, which hides the module from `import ...
 # as` and `from ... import`; `import_module` returns the module itself.
@@ -136,5 +138,4 @@ def expert_mlp(x: jax.Array, wi_0: jax.Array, wi_1: jax.Array, wo: jax.Array,
   if pad:
     x = jnp.pad(x, ((0, pad), (0, 0)))
   mm = lambda rows_in, w: grouped_matmul(rows_in, w, group_sizes, interpret)
-  h = jax.nn.silu(mm(x, wi_0)) * mm(x, wi_1)  # [M, F]
-  return _in_groups(mm(h.astype(x.dtype), wo), group_sizes)[:rows]
+  return _in_groups(expert_swiglu.swiglu(mm, x, wi_0, wi_1, wo), group_sizes)[:rows]

@@ -43,6 +43,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from moe_hk import expert_swiglu
 from moe_hk.vma import sum_to_axes_of, vary_like
 
 GPU_KERNEL = "mosaic_gpu"  # tokamax's name for its Pallas Mosaic GPU ragged_dot.
@@ -146,5 +147,4 @@ def expert_mlp(x: jax.Array, wi_0: jax.Array, wi_1: jax.Array, wo: jax.Array,
   group_sizes = group_sizes.astype(jnp.int32)
   impl = implementation(x.dtype, reference)
   mm = lambda rows, w: grouped_matmul(rows, w, group_sizes, impl)
-  h = jax.nn.silu(mm(x, wi_0)) * mm(x, wi_1)  # [M, F], 0 on padding rows
-  return mm(h, wo)
+  return expert_swiglu.swiglu(mm, x, wi_0, wi_1, wo)  # 0 on padding rows

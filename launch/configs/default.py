@@ -50,6 +50,10 @@ def _model(c: ml_collections.ConfigDict) -> None:
   # an MoE block's forward is not recomputed for the blocks after it; every block's input is
   # kept, which 'full_inputs_on_host' keeps on the host). docs/aot-memory.md measures both.
   c.remat_unit = "group"
+  # Layer groups per iteration of the scan over groups (1: a loop of one compiled group; the
+  # number of groups or more: no loop, each group's weights sliced where they are read and its
+  # gradients written in place; a larger program that compiles slower).
+  c.layer_scan_unroll = 1
   # 'auto': splash attention (Pallas) on TPU, cuDNN on GPU, the XLA form on CPU; or name one.
   c.attention_impl = "auto"
   c.attention_block = 0       # query block of the XLA form's scan; 0 = whole sequence

@@ -27,6 +27,10 @@ _SPLASH_BLOCKS = (512, 256, 128)
 # The most key/value tiles a sequence may have for the fused backward kernel (whose dq partials,
 # one per tile, are each the size of q): `splash_block_sizes`.
 _FUSED_DQ_PARTIALS = 4
+# The name splash gives its forward's residuals, the output and the log-sum-exp
+# (`checkpoint_name`): a remat policy that saves it ('save_matmuls') keeps them for the
+# backward kernel instead of running the forward kernel again.
+KERNEL_RESIDUALS = "attention_kernel"
 
 
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, impl: str, block: int,
@@ -127,7 +131,8 @@ def splash_kernel(seq: int, heads: int, interpret: bool, chunk: int = 0
                                splash.CausalMask((seq, seq))] * heads)
   with jax.ensure_compile_time_eval():
     return splash.make_splash_mqa_single_device(mask, block_sizes=splash_block_sizes(seq),
-                                                interpret=interpret)
+                                                interpret=interpret,
+                                                residual_checkpoint_name=KERNEL_RESIDUALS)
 
 
 def _chunked_mask(seq: int, chunk: int) -> splash.NumpyMask:

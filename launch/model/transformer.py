@@ -61,6 +61,16 @@ REMAT_POLICIES = {
     # rotary, the attention kernel's forward, the MoE's permutation and grouped matmuls. Per
     # dense block (3 + 2 x kv/q heads) x D + 2 x mlp_dim values a token in the compute dtype.
     "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    # As 'save_dots', and the experts' three grouped matmul outputs (`moe_hk.EXPERT_MATMUL`,
+    # `[rows, F]` twice and `[rows, D]` per MoE block) and splash's forward residuals (its
+    # output and log-sum-exp, `attention.KERNEL_RESIDUALS`): the backward then recomputes no
+    # matmul and no attention kernel, only norms, rotary, activations and the MoE's row
+    # movement. On one v5e chip (`tpu_chip.py`): 0.427 s a step against 0.445, 1.8 GiB more
+    # (docs/tpu-chip.md).
+    "save_matmuls": jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+        jax.checkpoint_policies.save_only_these_names(moe_hk.EXPERT_MATMUL,
+                                                      attention_lib.KERNEL_RESIDUALS)),
     # As 'full', but each unit's input (`UNIT_INPUT`), the one residual 'full' keeps, waits
     # for the backward in the host's memory (TPU and GPU: `pinned_host`), copied out in the
     # forward and back in the backward; the same FLOPs. What a 48-layer model keeps per chip
@@ -236,7 +246,8 @@ class Transformer(hk.Module):
       return (x_, after), stats
     num_groups = c.num_layers // layer_period(c)
     after = jnp.zeros((), bool) if self.moe_config.step_fallback else None
-    (x, _), stats = hk.layer_stack(num_groups, with_per_layer_inputs=True, name="groups")(
+    (x, _), stats = hk.layer_stack(num_groups, with_per_layer_inputs=True,
+                                   unroll=min(c.layer_scan_unroll, num_groups), name="groups")(
         group)((x, after), jnp.arange(num_groups, dtype=jnp.int32))
     # [groups, m, ...] -> [MoE blocks, ...], in the order of the layers. The leading size is
     # spelled out: a field the run does not record is empty (traffic without

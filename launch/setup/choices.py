@@ -5,7 +5,8 @@ attention, transformer and spikes, `launch.data.loader`) takes them from here, w
 attention form runs on a platform, for the settings' check and the model alike."""
 
 ATTENTION_IMPLS = ("auto", "xla", "splash", "cudnn")
-REMAT_POLICIES = ("none", "full", "save_attention_moe", "save_dots", "full_inputs_on_host")
+REMAT_POLICIES = ("none", "full", "save_attention_moe", "save_dots", "save_matmuls",
+                  "full_inputs_on_host")
 REMAT_UNITS = ("group", "block")  # what one remat unit holds: a layer group, or one block
 ROPE_LAYOUTS = ("rotate_half", "interleaved")  # which dimensions a rotary pair joins
 ROPE_SCALINGS = ("none", "llama3")             # config.rope_scaling.type

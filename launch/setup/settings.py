@@ -287,6 +287,9 @@ def _check_model(config: ml_collections.ConfigDict) -> None:
   _one_of("attention_impl", config.attention_impl, ATTENTION_IMPLS)
   _one_of("remat_policy", config.remat_policy, REMAT_POLICIES)
   _one_of("remat_unit", config.remat_unit, REMAT_UNITS)
+  _require(type(config.layer_scan_unroll) is int and config.layer_scan_unroll >= 1,
+           f"config.layer_scan_unroll={config.layer_scan_unroll!r} must be an integer >= 1 "
+           "(layer groups per iteration of the scan over groups; their count unrolls it whole).")
   _one_of("optimizer_state_dtype", config.optimizer_state_dtype, moe_hk.config.DTYPES)
   _one_of("data.source", config.data.source, DATA_SOURCES)
   for name in ("attention_block", "loss_chunk"):
