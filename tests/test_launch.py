@@ -525,8 +525,11 @@ def test_a_lost_process_ends_the_run_in_one_line_and_the_rerun_resumes(lost_run)
                        "there are 8. Set config.mesh to fit the devices, or, on a machine "
                        "without a TPU or GPU, config.cpu_devices to the mesh's size."),
     ("remat_policy", "most", "config.remat_policy='most' must be one of 'none', 'full', "
-                             "'save_attention_moe', 'save_dots', 'full_inputs_on_host'."),
+                             "'save_attention_moe', 'save_dots', 'save_matmuls', "
+                             "'full_inputs_on_host'."),
     ("remat_unit", "layer", "config.remat_unit='layer' must be one of 'group', 'block'."),
+    ("layer_scan_unroll", 0, "config.layer_scan_unroll=0 must be an integer >= 1 (layer "
+                             "groups per iteration of the scan over groups"),
     # The factor rule's window serves the telemetry too: checked with the autopilot off.
     ("autopilot.window", 2, "config.autopilot.min_steps=20 must be in [1, "
                             "config.autopilot.window=2]"),

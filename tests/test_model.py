@@ -223,10 +223,12 @@ def test_llama4_layer_pattern_groups_its_blocks_and_labels_every_moe_layer(llama
 
 
 def _count_equations(jaxpr, primitive) -> int:
-  """Equations of `primitive` in `jaxpr` and in every jaxpr nested in its equations."""
+  """Equations of `primitive` (a primitive or its name) in `jaxpr` and in every jaxpr nested
+  in its equations."""
+  name = getattr(primitive, "name", primitive)
   count = 0
   for eqn in jaxpr.eqns:
-    count += eqn.primitive == primitive
+    count += eqn.primitive.name == name
     for value in eqn.params.values():
       for sub in value if isinstance(value, (tuple, list)) else (value,):
         sub = sub.jaxpr if isinstance(sub, jax_core.ClosedJaxpr) else sub
@@ -242,14 +244,16 @@ def test_a_remat_unit_per_block_computes_the_groups_step(llama4_pattern):
   ignored the key would hold as many), and its step is the group's: the loss, every gradient
   and the MoE stats, float32 within 1e-5. On Maverick's pattern in 'step' mode, where the
   overflow flag crosses the block units, on a batch that overflows, under the policy that
-  moves each unit's input to the host ('full_inputs_on_host')."""
+  moves each unit's input to the host ('full_inputs_on_host'). The block unit's run unrolls
+  the scan over the 2 groups (`layer_scan_unroll`), which must not change the step either."""
   c, _, mesh, tokens, params = llama4_pattern
   # A remat unit's primitive, as this jax names it.
   remat = jax.make_jaxpr(jax.checkpoint(jnp.sin))(1.0).eqns[0].primitive
   remat_units, steps = {}, {}
   for unit in choices.REMAT_UNITS:
     config = c.copy_and_resolve_references()
-    config.update(remat_unit=unit, remat_policy="full_inputs_on_host")
+    config.update(remat_unit=unit, remat_policy="full_inputs_on_host",
+                  layer_scan_unroll=2 if unit == "block" else 1)
     net = _transformer(config, settings_of(config).layer, mesh)
     def loss(p, net=net):
       out = net.apply(p, None, tokens, None)
@@ -266,6 +270,40 @@ def test_a_remat_unit_per_block_computes_the_groups_step(llama4_pattern):
   assert_trees_close(block_grads, grads, what="block unit vs group unit")
   for name, block_field, field in zip(stats._fields, block_stats, stats):
     np.testing.assert_allclose(block_field, field, rtol=1e-5, err_msg=name)
+
+
+def test_save_matmuls_runs_no_matmul_or_attention_kernel_again(monkeypatch):
+  """`remat_policy='save_matmuls'` keeps what 'save_dots' keeps (the projections) and the
+  experts' three grouped matmuls and splash's forward residuals: the gradient's program holds
+  3 fewer grouped matmuls per MoE block and one fewer splash kernel per block than under
+  'save_dots' (whose backward runs those again), and as many as with no remat at all.
+  Counted in the traced program, not compiled: `ragged_dot_general` (the 'ragged_dot'
+  backend) and `pallas_call` (splash, interpreted on the CPU mesh). `layer_scan_unroll`
+  reaches the scan over groups."""
+  monkeypatch.setitem(choices._RUNS_ON, "splash", ("tpu", "cpu"))  # interpret mode here
+  mesh = moe_hk.make_mesh(data=1, fsdp=1, expert=8)
+  tokens = jax.random.randint(jax.random.key(0), (8, 128), 0, 256)  # one 128-wide splash tile
+  counts = {}
+  for policy in ("none", "save_dots", "save_matmuls"):
+    c = tiny_config(attention_impl="splash", remat_policy=policy, num_layers=4,
+                    layer_scan_unroll=2)
+    c.moe.update(gmm_impl="ragged_dot", moe_dropless_fallback="none")
+    net = _transformer(c, settings_of(c).layer, mesh)
+    params = jax.eval_shape(net.init, jax.random.key(1), tokens, None)
+    def loss(p, net=net):
+      out = net.apply(p, None, tokens, None)
+      return loss_lib.cross_entropy(out.hidden, out.embeddings, jnp.roll(tokens, -1, axis=1))
+    jaxpr = jax.make_jaxpr(jax.grad(loss))(params).jaxpr
+    counts[policy] = {name: _count_equations(jaxpr, name)
+                      for name in ("ragged_dot_general", "pallas_call")}
+    groups = [e.params["unroll"] for e in jaxpr.eqns
+              if e.primitive.name == "scan" and e.params["length"] == 2]
+    assert groups == [2, 2], groups  # the scan over the 2 groups, forward and backward
+  # Per group (the scan's body, traced once): 2 blocks, one of them MoE.
+  assert counts["save_dots"]["ragged_dot_general"] - counts["save_matmuls"][
+      "ragged_dot_general"] == 3, counts
+  assert counts["save_dots"]["pallas_call"] - counts["save_matmuls"]["pallas_call"] == 2, counts
+  assert counts["save_matmuls"] == counts["none"], counts
 
 
 def test_a_layer_pattern_that_does_not_fit_the_layers_is_refused():
