@@ -13,6 +13,8 @@ import gc
 import importlib.metadata
 import os
 import re
+import shutil
+import tempfile
 
 import pytest
 
@@ -24,6 +26,7 @@ _JAXLIB = tuple(int(p) for p in importlib.metadata.version("jaxlib").split(".")[
 # accelerator there. Everywhere else the suite runs on 8 simulated CPU devices, and the `tpu`
 # tests skip (tests/test_tpu_chip.py).
 ON_CHIP = os.environ.get("MOE_HK_TPU") == "1"
+_RUN_CACHE = None  # the compilation cache folder this process made (below)
 if not ON_CHIP:
   os.environ["XLA_FLAGS"] = " ".join([
       os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8",
@@ -32,6 +35,15 @@ if not ON_CHIP:
   os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")  # libtpu is installed; not a TPU VM.
   # Only AOT compilation uses libtpu here; let it load beside another process doing the same.
   os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+  # One compilation cache for the run: jax's persistent cache in a folder this process makes
+  # and removes at the end, inherited by the workers and the children the tests start. A
+  # program compiled once (the same model in another test, on the other worker, in a
+  # `launch.train` child) is then read back, not compiled again; jax 0.12 caches programs
+  # with host callbacks too (the train steps), jax 0.10 does not. A folder set beforehand
+  # (JAX_COMPILATION_CACHE_DIR) is used as it is and kept.
+  if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _RUN_CACHE = tempfile.mkdtemp(prefix="moe-hk-test-programs-")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _RUN_CACHE
 
 import jax  # noqa: E402
 
@@ -100,3 +112,9 @@ def pytest_collection_modifyitems(config, items):
   the quick ones, so that the two workers finish together."""
   items.sort(key=lambda item: (_group(item.nodeid)[0],
                                item.get_closest_marker("slow") is None))
+
+
+def pytest_unconfigure(config):
+  """Removes the run's compilation cache, in the process that made it."""
+  if _RUN_CACHE is not None:
+    shutil.rmtree(_RUN_CACHE, ignore_errors=True)

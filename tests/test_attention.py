@@ -1,5 +1,6 @@
 """launch.model.attention: the XLA and splash forms against a dense reference (outputs and
-gradients), the splash form compiled for a v5p topology, and the choice of form per platform.
+gradients), the splash form compiled for a v5p topology, and the choice of form per platform
+(the splash form in the model under every remat policy: tests/test_model.py).
 
 The cuDNN form is not tested here: `jax.nn.dot_product_attention(implementation='cudnn')` does
 not even trace without cuDNN ("cuDNN is not detected"), and this suite runs on CPU devices.
@@ -16,11 +17,9 @@ from jax.sharding import NamedSharding
 import moe_hk
 from launch.compiling import topology
 from launch.model import attention
-from launch.model.train_step import make_steps
-from launch.model.transformer import REMAT_POLICIES
 from launch.setup import choices
 from moe_hk import mesh as mesh_lib
-from tests.helpers import require_libtpu, settings_of, tiny_config
+from tests.helpers import require_libtpu
 from tests.tree_close import assert_trees_close
 
 
@@ -118,32 +117,6 @@ def test_splash_form_in_interpret_mode_matches_dense_reference():
   def fn(q, k, v):
     return attention.splash_attention(q, k, v, mesh)
   _assert_matches_reference(fn, _inputs(0, 8, 384, 2, 2, 32), "splash attention")
-
-
-def test_the_train_step_with_splash_runs_under_every_remat_policy(monkeypatch):
-  """The launcher's real train step with `attention_impl='splash'` (Pallas interpret mode on
-  the CPU mesh), its layer groups scanned and rematerialised under every policy: loss,
-  gradient norm and updated parameters equal the XLA form's, and so does the eval step's loss
-  (a forward, the same program under every policy: compiled once). A kernel built inside the
-  group's trace failed this with an UnexpectedTracerError."""
-  monkeypatch.setitem(choices._RUNS_ON, "splash", ("tpu", "cpu"))  # interpret mode here
-  batch = np.random.default_rng(0).integers(0, 256, (8, 129), np.int32)
-
-  def one_step(impl: str, policy: str, evaluate: bool):
-    config = tiny_config(attention_impl=impl, remat_policy=policy)
-    config.data.seq_len = 128  # one 128-wide splash tile
-    config.warmup_steps = 0  # a step that moves the parameters
-    steps = make_steps(settings_of(config), moe_hk.make_mesh(**config.mesh))
-    state, out = steps.train(steps.init(jax.random.key(0)),
-                             jax.device_put(batch, steps.batch_sharding))
-    return jax.device_get((out.loss, out.grad_norm, state.params,
-                           steps.eval_loss(state.params, batch) if evaluate else None))
-  expected = one_step("xla", "none", evaluate=True)
-  for policy in REMAT_POLICIES:
-    evaluate = policy == "none"
-    assert_trees_close(one_step("splash", policy, evaluate),
-                       expected if evaluate else (*expected[:3], None),
-                       rtol=1e-5, what=f"splash train step, remat_policy={policy!r}")
 
 
 @pytest.mark.parametrize("s", [256, 4096])

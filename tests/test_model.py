@@ -128,47 +128,53 @@ def test_shared_expert_parameters_gradients_and_contribution():
 
 
 @pytest.mark.slow
-def test_remat_policies_give_the_same_step_and_keep_fallback_events():
-  """Every `remat_policy` computes the same loss and gradients on a batch whose MoE layers
-  overflow and fall back, and under each every layer that fell back reaches the host as one
-  fallback event (the trainer's alerts come from them), with the step's stats: the model
-  sends them after its layer stack, so the backward's recomputation of a rematerialised
-  group ('full', 'save_attention_moe') does not send them again."""
+def test_every_remat_policy_computes_the_same_step_with_splash_and_keeps_fallback_events(
+    monkeypatch):
+  """Loss and gradients under every `remat_policy`, attention by the splash kernel (Pallas
+  interpret mode on the CPU mesh) in the rematerialised, scanned layer groups, equal the XLA
+  form's without remat, on a batch whose MoE layers overflow and fall back. Under each policy
+  every layer that fell back reaches the host as one fallback event (the trainer's alerts come
+  from them) with the step's stats: the model sends them after its layer stack, so the
+  backward's recomputation of a rematerialised group does not send them again. A splash
+  kernel built inside the group's trace failed this with an UnexpectedTracerError."""
+  monkeypatch.setitem(choices._RUNS_ON, "splash", ("tpu", "cpu"))  # interpret mode here
   mesh = moe_hk.make_mesh(data=1, fsdp=1, expert=8)
-  tokens = jax.random.randint(jax.random.key(0), (8, 32), 0, 256)
+  tokens = jax.random.randint(jax.random.key(0), (8, 128), 0, 256)  # one 128-wide splash tile
   received = []
+
+  def value_and_grad(impl: str, policy: str, params=None):
+    c = tiny_config(attention_impl=impl, remat_policy=policy)
+    c.data.seq_len = tokens.shape[1]
+    layer = settings_of(c).layer
+    net = hk.transform(lambda t, s: model_lib.Transformer(c, layer, mesh, name="model")(t, s))
+    if params is None:  # the policy and the attention form change no parameter
+      params = jax.jit(net.init)(jax.random.key(1), tokens, None)
+    def loss(p):
+      out = net.apply(p, None, tokens, jnp.int32(7))
+      ce = loss_lib.cross_entropy(out.hidden, out.embeddings, jnp.roll(tokens, -1, axis=1))
+      return ce, out.moe_stats
+    (value, stats), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
+    jax.effects_barrier()
+    return params, value, stats, grads
+
   moe_hk.events.add_sink(received.append)
   try:
-    results, params = {}, None
+    params, expected, _, expected_grads = value_and_grad("xla", "none")
     for policy in model_lib.REMAT_POLICIES:
-      c = tiny_config()
-      c.remat_policy = policy
-      layer = settings_of(c).layer
-      net = hk.transform(lambda t, s, c=c, layer=layer: model_lib.Transformer(
-          c, layer, mesh, name="model")(t, s))
-      if params is None:  # the policy changes the backward, not the parameters
-        params = jax.jit(net.init)(jax.random.key(1), tokens, None)
-      def loss(p, net=net):
-        out = net.apply(p, None, tokens, jnp.int32(7))
-        ce = loss_lib.cross_entropy(out.hidden, out.embeddings, jnp.roll(tokens, -1, axis=1))
-        return ce, out.moe_stats
-      (value, stats), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
-      jax.effects_barrier()
+      received.clear()
+      _, value, stats, grads = value_and_grad("splash", policy, params)
       assert int(jnp.max(stats.fallback)) == 1, f"{policy}: the batch must overflow"
       fell_back = [e for e in received if e.name == moe_hk.events.FALLBACK_EVENT]
       assert sorted(e.layer for e in fell_back) == list(np.flatnonzero(stats.fallback)), policy
       for e in fell_back:
         assert e.step == 7 and e.process == 0
-        for name, value in zip(moe_hk.MoEStats._fields, e.stats):
-          np.testing.assert_allclose(value, np.asarray(getattr(stats, name))[e.layer],
+        for name, field in zip(moe_hk.MoEStats._fields, e.stats):
+          np.testing.assert_allclose(field, np.asarray(getattr(stats, name))[e.layer],
                                      rtol=1e-6, err_msg=f"{policy}: {name}")
-      received.clear()
-      results[policy] = (value, grads)
+      np.testing.assert_allclose(value, expected, rtol=1e-5, err_msg=policy)
+      assert_trees_close(grads, expected_grads, what=f"splash, remat_policy={policy!r}")
   finally:
     moe_hk.events.remove_sink(received.append)
-  for policy, (value, grads) in results.items():
-    np.testing.assert_allclose(value, results["none"][0], rtol=1e-5, err_msg=policy)
-    assert_trees_close(grads, results["none"][1], what=policy)
 
 
 @pytest.fixture(scope="module")
