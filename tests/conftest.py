@@ -40,10 +40,12 @@ if not ON_CHIP:
   # program compiled once (the same model in another test, on the other worker, in a
   # `launch.train` child) is then read back, not compiled again; jax 0.12 caches programs
   # with host callbacks too (the train steps), jax 0.10 does not. A folder set beforehand
-  # (JAX_COMPILATION_CACHE_DIR) is used as it is and kept.
+  # (JAX_COMPILATION_CACHE_DIR) is used as it is and kept. A size limit turns on jax's file
+  # lock around each entry's read and write, so that no process reads one half written.
   if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     _RUN_CACHE = tempfile.mkdtemp(prefix="moe-hk-test-programs-")
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _RUN_CACHE
+    os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(4 << 30)
 
 import jax  # noqa: E402
 
