@@ -40,7 +40,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.layer_scan_unroll = 3
   c.attention_impl = "auto"   # splash attention on TPU (the XLA form elsewhere)
   c.loss_chunk = 1024         # a [8, 1024, 32768] float32 logits block (1 GiB) at a time: 0.410
-                              # s a step against 0.4165 in chunks of 512, the same 13.08 GiB held
+                              # s a step against 0.4165 in chunks of 512 (docs/tpu-chip.md)
   # Below factor 1 the fallback runs in 8 chunks, not the fewest that fit (2): compiled for
   # v5e at factor 0.75 the step then needs 1.04x the capped step's memory instead of 1.10x
   # (16 and 32 chunks: the same; docs/tpu-chip.md).
