@@ -80,6 +80,15 @@ _ON_ONE_CORE = ("import os, runpy, sys; cores = sorted(os.sched_getaffinity(0));
                 " runpy.run_module(sys.argv[0], run_name='__main__')")
 
 
+def child_xla_flags(without: tuple[str, ...] = (), **values) -> str:
+  """`XLA_FLAGS` for a child process: the suite's (tests/conftest.py) less the flags named in
+  `without` or `values` (names without their dashes), then `--NAME=VALUE` for each of
+  `values`."""
+  names = {f"--{name}" for name in (*without, *values)}
+  kept = [f for f in os.environ.get("XLA_FLAGS", "").split() if f.split("=")[0] not in names]
+  return " ".join([*kept, *(f"--{name}={value}" for name, value in values.items())])
+
+
 def run_module(argv: list[str], core: int | None = None) -> str:
   """Runs `python -m argv[0] argv[1:]` in a child as users run it; returns its stdout.
 
@@ -88,11 +97,10 @@ def run_module(argv: list[str], core: int | None = None) -> str:
   order, -1 the last), for TPU compiles: libtpu's compiler threads then use 14% less CPU (at
   1.5x the wall time), and the suite, which keeps both cores busy, is bound by CPU
   (docs/testing.md). The two v5p compiles take different cores, so that they run side by side."""
-  flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
-           if not f.startswith("--xla_cpu_use_fusion_emitters")]
   run = ["-m"] if core is None else ["-c", _ON_ONE_CORE, str(core)]
+  env = dict(os.environ, XLA_FLAGS=child_xla_flags(without=("xla_cpu_use_fusion_emitters",)))
   done = subprocess.run([sys.executable, *run, *argv], cwd=ROOT, capture_output=True,
-                        text=True, check=False, env=dict(os.environ, XLA_FLAGS=" ".join(flags)))
+                        text=True, check=False, env=env)
   assert done.returncode == 0, f"exit status {done.returncode}:\n{done.stderr[-3000:]}"
   return done.stdout
 

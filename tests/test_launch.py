@@ -33,8 +33,8 @@ from launch.setup import settings as settings_lib
 from launch.setup.errors import UserError
 from metrics import expert_load, tags, traffic
 from metrics.event_files import read_histograms, read_images, read_scalars
-from tests.helpers import (ROOT, TINY, TINY_FLAGS, cached_make_steps, free_port,
-                           settings_of, tiny_config, unavailable)
+from tests.helpers import (ROOT, TINY, TINY_FLAGS, cached_make_steps, child_xla_flags,
+                           free_port, settings_of, tiny_config, unavailable)
 
 # Every test here shares one worker's step cache and the baseline run (tests/conftest.py
 # WORKER_GROUPS).
@@ -101,12 +101,9 @@ def launch(workdir, *flags, devices=8, env=None, config=TINY, llvm_level=None):
   optimisation of the child's CPU code (0, the quickest compile: tests/conftest.py); 1 suits a
   run whose steps outweigh its compile (the default job's: 20 steps 1.43 -> 0.68 s each, its
   compile 6.4 -> 9.5 s)."""
-  sets = {"--xla_force_host_platform_device_count": devices}
-  if llvm_level is not None:
-    sets["--xla_backend_optimization_level"] = llvm_level
-  xla_flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if f.split("=")[0] not in sets]
-  env = dict(os.environ, **(env or {}),
-             XLA_FLAGS=" ".join([*xla_flags, *(f"{k}={v}" for k, v in sets.items())]))
+  llvm = {} if llvm_level is None else {"xla_backend_optimization_level": llvm_level}
+  env = dict(os.environ, **(env or {}), XLA_FLAGS=child_xla_flags(
+      xla_force_host_platform_device_count=devices, **llvm))
   return subprocess.Popen(
       [sys.executable, "-m", "launch.train", f"--workdir={workdir}", f"--config={config}",
        *TINY_FLAGS, *flags],
