@@ -427,8 +427,8 @@ def _two_processes(workdir, *flags, port=None):
   """Processes 0 and 1 of a 2 x 4-device run of the tests' tiny config at FACTOR."""
   port = port or free_port()
   return [launch(workdir, f"--process_id={i}", f"--config.moe.ragged_buffer_factor={FACTOR}",
-                 "--config.autopilot.min_steps=2", "--num_processes=2", f"--coordinator_address=127.0.0.1:{port}", *flags,
-                 devices=4) for i in range(2)]
+                 "--config.autopilot.min_steps=2", "--num_processes=2",
+                 f"--coordinator_address=127.0.0.1:{port}", *flags, devices=4) for i in range(2)]
 
 
 class LostRun(NamedTuple):
