@@ -18,19 +18,19 @@ chunk fits, and `switch_with_recompute` runs the capped path (index 0) or the fi
 fits. A rung below its chunks' worst case runs only when their actual traffic fits, so it
 drops nothing either; no chunk's buffer is larger than the fixed rung's.
 
-Why `switch_with_recompute` and not `lax.switch` (or `lax.cond`): under autodiff they return
-the residuals of *every* branch (each branch outputs zeros for the others'), so the step would
-hold the capped path's and the chunked paths' residuals at once; `jax.checkpoint` around them
-does not change that. `switch_with_recompute` saves only its inputs and the branch index; its
-backward is a `lax.switch` over the branches' VJPs, each recomputing its own forward, so only
-the taken branch's residuals ever exist. Under an outer remat (how MoE layers train) the
-forward's recompute is dead code that XLA removes, so the extra forward costs nothing there.
+Why `switch_with_recompute` and not a bare `lax.switch` (or `lax.cond`): under autodiff a
+switch returns the residuals of *every* branch (each branch outputs zeros for the others'), so
+the step would hold the capped path's and the chunked paths' residuals at once, and a
+`jax.checkpoint` around the whole switch does not change that. Checkpointed one by one, saving
+nothing, the branches' residuals are their inputs, the same for every branch: the backward's
+switch recomputes the taken branch alone. (A `custom_vjp` whose backward switched over the
+branches' VJPs did the same and held more: the 4-layer v5p step of
+`benchmarks.fallback_memory` 1.09x capped against 1.02x, docs/aot-memory.md.)
 """
 from __future__ import annotations
 
 import contextlib
 import contextvars
-import functools
 import math
 from typing import Callable, Iterator, NamedTuple, Sequence
 
@@ -211,34 +211,18 @@ def first_fit(overflows: jax.Array) -> jax.Array:
   return jnp.argmin(overflows).astype(jnp.int32)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _switch_recompute(branches, index, operands, aux):
-  return jax.lax.switch(index, branches, operands, aux)
-
-
-def _switch_recompute_fwd(branches, index, operands, aux):
-  return _switch_recompute(branches, index, operands, aux), (index, operands, aux)
-
-
-def _switch_recompute_bwd(branches, residuals, cotangent):
-  index, operands, aux = residuals
-  def vjp_of(fn):
-    return lambda ops, aux_, ct: jax.vjp(lambda o: fn(o, aux_), ops)[1](ct)[0]
-  d_operands = jax.lax.switch(index, [vjp_of(fn) for fn in branches], operands, aux, cotangent)
-  return None, d_operands, None
-
-
-_switch_recompute.defvjp(_switch_recompute_fwd, _switch_recompute_bwd)
-
-
 def switch_with_recompute(index: jax.Array, branches: Sequence[Callable], operands, aux):
-  """`lax.switch(index, branches, operands, aux)` whose VJP recomputes the taken branch.
+  """`lax.switch(index, branches, operands, aux)` whose backward recomputes the taken branch.
 
-  `operands` is a pytree of differentiable arrays, `aux` one of non-differentiable ones
-  (integers); every branch takes `(operands, aux)`. Everything traced must come in through
-  these arguments: a custom_vjp may not close over tracers.
+  Each branch is `jax.checkpoint`ed saving nothing, so under autodiff the switch keeps its
+  inputs and the index for the backward, not any branch's activations; the backward's switch
+  recomputes the taken branch and runs its transpose. `operands` is a pytree of
+  differentiable arrays, `aux` one of non-differentiable ones (integers); every branch takes
+  `(operands, aux)`.
   """
-  return _switch_recompute(tuple(branches), jnp.asarray(index, jnp.int32), operands, aux)
+  saving_nothing = [jax.checkpoint(fn, policy=jax.checkpoint_policies.nothing_saveable)
+                    for fn in branches]
+  return jax.lax.switch(jnp.asarray(index, jnp.int32), saving_nothing, operands, aux)
 
 
 def cond_with_recompute(pred: jax.Array, true_fn, false_fn, operands, aux):

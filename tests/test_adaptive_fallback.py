@@ -1,10 +1,14 @@
 """Adaptive fallback chunking: the fewest chunks that fit, dropless results, one rung everywhere."""
+import contextlib
 import functools
+import io
 import itertools
 import math
+import re
 
 import jax
 import jax.numpy as jnp
+from jax import ad_checkpoint
 import numpy as np
 import pytest
 
@@ -176,6 +180,26 @@ def test_switch_with_recompute_matches_switch():
     plain = jax.value_and_grad(functools.partial(loss, jax.lax.switch))(ops)
     recompute = jax.value_and_grad(functools.partial(loss, fallback.switch_with_recompute))(ops)
     assert_trees_close(recompute, plain, rtol=1e-6, what=f"branch {index}")
+
+
+def test_switch_with_recompute_keeps_its_inputs_not_a_branchs_activations():
+  """What the backward holds of the switch: its operands and index (`print_saved_residuals`),
+  none of the taken branch's `[64, 64]` intermediates; a bare `lax.switch` (the control) keeps
+  them, and would keep every branch's."""
+  def branch(o, a):
+    h = jnp.tanh(jnp.outer(o[0], o[1]))
+    return jnp.sum(jnp.sin(h) * h, axis=1) * a
+  branches = (lambda o, a: o[0] * a, branch)
+  ops, aux = (jnp.arange(1.0, 65.0), jnp.ones(64)), jnp.float32(2.0)
+
+  def saved(switch) -> list[str]:
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+      ad_checkpoint.print_saved_residuals(lambda o: switch(1, branches, o, aux), ops)
+    return re.findall(r"\b[a-z]+\d+\[[\d,]*\]", printed.getvalue())  # dtype[shape]
+  kept = saved(fallback.switch_with_recompute)
+  assert kept and all(shape in ("f32[64]", "f32[]", "i32[]") for shape in kept), kept
+  assert "f32[64,64]" in saved(jax.lax.switch)
 
 
 @PATHS
