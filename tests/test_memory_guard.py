@@ -81,9 +81,9 @@ def test_maverick_fallback_matches_the_committed_baseline(fallback, baseline):
 
 
 # Since b9cd5bd (the MoE rows gathered both ways) the full step's fallback is 1.09x its capped
-# step (75.15 / 68.71 GiB): the cause is not the gather's custom backward (with autodiff's
-# scatter-add the fallback compiles to the same 75.15). Open in issue 64, held failing here so
-# that a fix shows (b75c5a8: 62.36 / 68.21, 0.914x).
+# step (74.95 / 68.71 GiB): the cause is not the gather's custom backward (with autodiff's
+# scatter-add the fallback compiled to the same 75.15 then). Open in issue 64, held failing here
+# so that a fix shows (b75c5a8: 62.36 / 68.21, 0.914x).
 @pytest.mark.xfail(strict=True, raises=AssertionError,
                    reason="the fallback is 1.09x the capped step since b9cd5bd (issue 64)")
 def test_maverick_fallback_at_most_one_percent_over_capped(fallback, baseline):
