@@ -211,6 +211,10 @@ def main(argv: list[str]) -> None:
   parser.add_argument("--headroom", action="store_true")
   args, config_flags = parser.parse_known_args(argv[1:])
   args.config_flags = config_flags
+  unknown = [name for name in args.memory if name not in MEMORY_CASES]
+  if unknown:
+    raise SystemExit(f"chip_step: --memory={','.join(args.memory)}: {', '.join(unknown)} is no "
+                     f"memory case; the cases are {', '.join(MEMORY_CASES)}")
   if args.child:
     overrides = [(k, str(v)) for k, v in json.loads(args.child).items()]
     overrides += [tuple(f[len("--config."):].split("=", 1)) for f in config_flags]

@@ -2,7 +2,8 @@
 step that runs out of memory past a set ballast: it ends, to its resolution, whether the step
 fits beside a little ballast, beside all the memory there is, or beside none (on the chip a
 small program fits beside all of it, and an old bisection looped there for ever), and whatever
-it was told to try first; told right, it runs the step at most three times."""
+it was told to try first; told right, it runs the step at most three times. And its command
+line refuses a memory case it does not have in one line."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -33,3 +34,10 @@ def test_the_ballast_search_finds_the_room_left_to_its_resolution(room, guess):
   assert fits == min(room, LIMIT) // RESOLUTION * RESOLUTION
   if guess == "right":
     assert len(tries) <= 3, tries
+
+
+def test_an_unknown_memory_case_is_refused_in_one_line_naming_the_cases():
+  with pytest.raises(SystemExit) as refused:
+    chip_step.main(["chip_step", "--memory=capped,ballast"])
+  assert str(refused.value) == ("chip_step: --memory=capped,ballast: ballast is no memory case; "
+                                "the cases are capped, fallback, worst_case")
