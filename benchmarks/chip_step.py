@@ -27,6 +27,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 
 from launch.setup import platform, results, settings as settings_lib
@@ -166,33 +167,40 @@ def cases(args) -> list[tuple[str, dict]]:
   return speed + memory
 
 
-def _child(args, overrides: dict, headroom: bool) -> dict:
-  """Runs one case in a new process (its own peak memory); its JSON result."""
+def _child(args, overrides: dict, headroom: bool, cache_dir: str) -> dict:
+  """Runs one case in a new process (its own peak memory), compiling through the persistent
+  cache `cache_dir` that every case shares (a case whose program another compiled loads it);
+  its JSON result and the seconds the process took."""
   argv = [sys.executable, "-m", "benchmarks.chip_step", f"--config={args.config}",
           f"--steps={args.steps}", f"--warmup={args.warmup}", "--child=" + json.dumps(overrides),
           *(["--headroom"] if headroom else []), *args.config_flags]
   if args.profile_dir:
     argv.append(f"--profile_dir={args.profile_dir}")
-  done = subprocess.run(argv, capture_output=True, text=True, cwd=results.ROOT)
+  started = time.perf_counter()
+  done = subprocess.run(argv, capture_output=True, text=True, cwd=results.ROOT,
+                        env={**os.environ, "JAX_COMPILATION_CACHE_DIR": cache_dir})
+  wall = {"wall_seconds": round(time.perf_counter() - started, 1)}
   if done.returncode:
-    return {"error": (done.stderr.strip().splitlines() or ["exit %d" % done.returncode])[-1]}
-  return json.loads(done.stdout.strip().splitlines()[-1])
+    return {"error": (done.stderr.strip().splitlines() or ["exit %d" % done.returncode])[-1],
+            **wall}
+  return {**json.loads(done.stdout.strip().splitlines()[-1]), **wall}
 
 
 def _table(rows: list[dict]) -> str:
   lines = ["| case | s/step | tokens/s | TFLOP/s/chip | MFU | chip GiB (in use + reserved) | "
-           "chip GiB (ballast) | AOT GiB | first loss |", "|---|---|---|---|---|---|---|---|---|"]
+           "chip GiB (ballast) | AOT GiB | first loss | case's s |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
   gib = lambda b: f"{b / 2**30:.2f}" if b else "-"
   for row in rows:
     if "error" in row:
-      lines.append(f"| {row['case']} | error: {row['error']} ||||||||")
+      lines.append(f"| {row['case']} | error: {row['error']} |||||||| {row['wall_seconds']} |")
       continue
     mfu = f"{row['mfu']:.1%}" if row["mfu"] is not None else "-"
     lines.append(f"| {row['case']} | {row['seconds_per_step']:.3f} | "
                  f"{row['tokens_per_second']:,.0f} | {row['model_tflops_per_device']:.1f} | {mfu} "
                  f"| {gib(row['chip_bytes'])} | {gib(row.get('chip_bytes_by_ballast'))} | "
                  f"{gib(row['aot_total_bytes'])} | "
-                 f"{row['first_loss']:.3f} |")
+                 f"{row['first_loss']:.3f} | {row['wall_seconds']:.0f} |")
   return "\n".join(lines)
 
 
@@ -227,9 +235,11 @@ def main(argv: list[str]) -> None:
   # This process starts no jax backend: each case's process holds the chip in turn, and
   # names the machine it measured on.
   rows = []
-  for name, overrides, headroom in cases(args):
-    rows.append({"case": name, "overrides": overrides, **_child(args, overrides, headroom)})
-    print(f"{name}: {json.dumps(rows[-1])}", flush=True)
+  with tempfile.TemporaryDirectory(prefix="chip_step_cache") as cache_dir:
+    for name, overrides, headroom in cases(args):
+      rows.append({"case": name, "overrides": overrides,
+                   **_child(args, overrides, headroom, cache_dir)})
+      print(f"{name}: {json.dumps(rows[-1])}", flush=True)
   measured_on = next((row.pop("machine") for row in rows if "machine" in row), None)
   for row in rows:
     row.pop("machine", None)
