@@ -1,6 +1,6 @@
 """Device memory of a train step per fallback variant, from the compiler, on CPU and TPU.
 
-  python -m benchmarks.fallback_memory [--platforms=cpu,tpu] [--layers=1,4,8]
+  python -m benchmarks.fallback_memory [--platforms=cpu,tpu] [--layers=1,4,8] [--remat=full]
 
 For each platform (an 8-device CPU mesh, and a v5p 2x2x2 topology compiled through libtpu)
 and each model (one bare MoE layer; stacks of rematerialised MoE layers trained with Adam),
@@ -11,7 +11,9 @@ and the compile time for: the worst-case buffer, the capped buffer, capped + `la
 naive form, `moe_hk.fallback.unrolled_chunks`, traced in with `moe_hk.fallback.chunk_loop`).
 Each rung of the adaptive ladder is a compiled switch branch, so its column
 measures what rungs cost. `--factor` sets the buffer factor (a lower one lengthens the adaptive
-ladder). JSON first, then a table.
+ladder). `--remat` names the layers' remat policy (the launcher's `remat_policy` values: 'full'
+saves nothing, 'save_matmuls' keeps the matmul outputs, as `launch/configs/tpu_chip.py` trains).
+JSON first, then a table.
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ from jax.sharding import NamedSharding
 
 import moe_hk
 from launch.compiling import topology
-from launch.model import memory
+from launch.model import memory, transformer
 from launch.setup import platform as launch_platform, results
 from moe_hk import fallback, mesh as mesh_lib
 
@@ -78,17 +80,18 @@ def _layer_params(config):
                           jnp.zeros((e, f, d)))
 
 
-def compile_step(variant: str, platform: str, layers: int):
+def compile_step(variant: str, platform: str, layers: int, remat: str = "full"):
   """Compiles the step. layers == 0: one bare layer's value-and-grad (no optimizer, no remat).
-  layers >= 1: a scan over that many residual MoE layers with a jax.checkpoint(nothing_saveable)
-  body, with an Adam update and donated params and optimizer state. `fallback_unrolled`
-  traces the naive chunk loop the scan is measured against."""
+  layers >= 1: a scan over that many residual MoE layers whose body is a jax.checkpoint under
+  `remat` (a `transformer.REMAT_POLICIES` name), with an Adam update and donated params and
+  optimizer state. `fallback_unrolled` traces the naive chunk loop the scan is measured
+  against."""
   loop = fallback.unrolled_chunks if variant == "fallback_unrolled" else None
   with fallback.chunk_loop(loop):
-    return _compile_step(variant, platform, layers)
+    return _compile_step(variant, platform, layers, transformer.REMAT_POLICIES[remat])
 
 
-def _compile_step(variant: str, platform: str, layers: int):
+def _compile_step(variant: str, platform: str, layers: int, policy):
   config = variant_config(variant)
   mesh = make_mesh(platform)
   layer = variant_layer(config, mesh)
@@ -105,7 +108,7 @@ def _compile_step(variant: str, platform: str, layers: int):
     return jax.jit(jax.value_and_grad(loss)).lower(params, x).compile()
 
   # Layers as a scan over stacked params with a rematerialised body, as large MoE models train.
-  remat_layer = jax.checkpoint(layer, policy=jax.checkpoint_policies.nothing_saveable)
+  remat_layer = jax.checkpoint(layer, policy=policy)
   def loss(stacked, xx):
     def body(carry, p):
       xx_, aux = carry
@@ -131,20 +134,21 @@ def _compile_step(variant: str, platform: str, layers: int):
   return jax.jit(step, donate_argnums=(0, 1)).lower(params, opt_state, x).compile()
 
 
-def measure(platforms, layer_counts, variants=VARIANTS):
-  """Per platform and model: total MiB per device and compile seconds of each variant."""
+def measure(platforms, layer_counts, variants=VARIANTS, remat: str = "full"):
+  """Per platform and model: total MiB per device and compile seconds of each variant, the
+  layers rematerialised under `remat`."""
   rows = []
   for platform in platforms:
     for layers in layer_counts:
       mib, seconds = {}, {}
       for v in variants:
         start = time.perf_counter()
-        compiled = compile_step(v, platform, layers)
+        compiled = compile_step(v, platform, layers, remat)
         seconds[v] = time.perf_counter() - start
         mib[v] = memory.total_memory_bytes(compiled) / 2**20
       over = {v: mib[v] / mib["capped"] for v in variants if "capped" in mib}
-      rows.append({"platform": platform, "layers": layers, "MiB": mib, "compile_s": seconds,
-                   "over_capped": over})
+      rows.append({"platform": platform, "layers": layers, "remat": remat, "MiB": mib,
+                   "compile_s": seconds, "over_capped": over})
   return rows
 
 
@@ -158,11 +162,14 @@ def main():
   parser.add_argument("--emb_dim", type=int, default=SETTING["emb_dim"])
   parser.add_argument("--mlp_dim", type=int, default=SETTING["mlp_dim"])
   parser.add_argument("--factor", type=float, default=SETTING["ragged_buffer_factor"])
+  parser.add_argument("--remat", default="full",
+                      choices=[k for k, v in transformer.REMAT_POLICIES.items() if v])
   results.add_argument(parser, "fallback_memory")
   args = parser.parse_args()
   SETTING.update(emb_dim=args.emb_dim, mlp_dim=args.mlp_dim, ragged_buffer_factor=args.factor)
   variants = args.variants.split(",")
-  rows = measure(args.platforms.split(","), [int(n) for n in args.layers.split(",")], variants)
+  rows = measure(args.platforms.split(","), [int(n) for n in args.layers.split(",")], variants,
+                 args.remat)
   results.publish(args.results, {"setting": {**SETTING, "batch": BATCH, "seq": SEQ,
                                              "adaptive_max_chunks": ADAPTIVE_MAX_CHUNKS},
                                  "rows": rows})
@@ -172,7 +179,8 @@ def main():
         " | ".join(f"{v} / capped" for v in over) + " |")
   print("|---|---|" + "---|" * (len(variants) + len(over)))
   for r in rows:
-    model = "1 layer, bare" if r["layers"] == 0 else f"{r['layers']} remat layers + Adam"
+    model = ("1 layer, bare" if r["layers"] == 0
+             else f"{r['layers']} layers, remat '{r['remat']}', + Adam")
     cells = [f"{r['MiB'][v]:.1f} ({r['compile_s'][v]:.0f} s)" for v in variants]
     cells += [f"{r['over_capped'][v]:.2f}x" for v in over]
     print(f"| {r['platform']} | {model} | " + " | ".join(cells) + " |")

@@ -21,16 +21,21 @@ drops nothing either; no chunk's buffer is larger than the fixed rung's.
 Why `switch_with_recompute` and not a bare `lax.switch` (or `lax.cond`): under autodiff a
 switch returns the residuals of *every* branch (each branch outputs zeros for the others'), so
 the step would hold the capped path's and the chunked paths' residuals at once, and a
-`jax.checkpoint` around the whole switch does not change that. Checkpointed one by one, saving
-nothing, the branches' residuals are their inputs, the same for every branch: the backward's
-switch recomputes the taken branch alone. (A `custom_vjp` whose backward switched over the
-branches' VJPs did the same and held more: the 4-layer v5p step of
-`benchmarks.fallback_memory` 1.09x capped against 1.02x, docs/aot-memory.md.)
+`jax.checkpoint` around the whole switch does not change that. Its backward is the VJP of a
+switch whose branches are each checkpointed saving nothing: their residuals are their inputs,
+the same for every branch, so the backward's switch recomputes the taken branch alone. The
+whole is a `custom_vjp` that keeps only the switch's inputs and index, so that an enclosing
+remat policy cannot reach into the branches: a policy that saves matmul outputs (the
+launcher's 'save_matmuls') would otherwise keep every chunk's, which is what the chunks exist
+to avoid (the 4-layer v5p step of `benchmarks.fallback_memory --remat=save_matmuls`: 2.46x
+capped without it, 0.44x with it). Under remat 'full' the two forms hold the same (1.02x); a
+`custom_vjp` whose backward switched over the branches' own VJPs held 1.09x (docs/aot-memory.md).
 """
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import math
 from typing import Callable, Iterator, NamedTuple, Sequence
 
@@ -214,15 +219,34 @@ def first_fit(overflows: jax.Array) -> jax.Array:
 def switch_with_recompute(index: jax.Array, branches: Sequence[Callable], operands, aux):
   """`lax.switch(index, branches, operands, aux)` whose backward recomputes the taken branch.
 
-  Each branch is `jax.checkpoint`ed saving nothing, so under autodiff the switch keeps its
-  inputs and the index for the backward, not any branch's activations; the backward's switch
-  recomputes the taken branch and runs its transpose. `operands` is a pytree of
-  differentiable arrays, `aux` one of non-differentiable ones (integers); every branch takes
-  `(operands, aux)`.
+  Under autodiff it keeps its inputs and the index for the backward, nothing of any branch,
+  whatever an enclosing remat policy would save; the backward is the VJP of a switch over the
+  branches each `jax.checkpoint`ed saving nothing (it recomputes the taken branch and runs its
+  transpose). `operands` is a pytree of differentiable arrays, `aux` one of non-differentiable
+  ones (integers); every branch takes `(operands, aux)`. Everything traced must come in
+  through these arguments: a custom_vjp may not close over tracers.
   """
+  return _opaque_switch(tuple(branches), jnp.asarray(index, jnp.int32), operands, aux)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _opaque_switch(branches, index, operands, aux):
+  return jax.lax.switch(index, branches, operands, aux)
+
+
+def _opaque_switch_fwd(branches, index, operands, aux):
+  return jax.lax.switch(index, branches, operands, aux), (index, operands, aux)
+
+
+def _opaque_switch_bwd(branches, residuals, cotangent):
+  index, operands, aux = residuals
   saving_nothing = [jax.checkpoint(fn, policy=jax.checkpoint_policies.nothing_saveable)
                     for fn in branches]
-  return jax.lax.switch(jnp.asarray(index, jnp.int32), saving_nothing, operands, aux)
+  _, vjp = jax.vjp(lambda ops: jax.lax.switch(index, saving_nothing, ops, aux), operands)
+  return None, vjp(cotangent)[0], None
+
+
+_opaque_switch.defvjp(_opaque_switch_fwd, _opaque_switch_bwd)
 
 
 def cond_with_recompute(pred: jax.Array, true_fn, false_fn, operands, aux):

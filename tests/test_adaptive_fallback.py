@@ -182,24 +182,40 @@ def test_switch_with_recompute_matches_switch():
     assert_trees_close(recompute, plain, rtol=1e-6, what=f"branch {index}")
 
 
-def test_switch_with_recompute_keeps_its_inputs_not_a_branchs_activations():
+def _checkpointed_switch(index, branches, operands, aux):
+  """A switch over branches each checkpointed saving nothing, bare: the form an enclosing
+  remat policy reaches into (the control below)."""
+  return jax.lax.switch(index, [jax.checkpoint(fn, policy=jax.checkpoint_policies.nothing_saveable)
+                                for fn in branches], operands, aux)
+
+
+@pytest.mark.parametrize("outer", [None, "save_only_these_names", "dots_with_no_batch_dims_saveable"])
+def test_switch_with_recompute_keeps_its_inputs_not_a_branchs_activations(outer):
   """What the backward holds of the switch: its operands and index (`print_saved_residuals`),
-  none of the taken branch's `[64, 64]` intermediates; a bare `lax.switch` (the control) keeps
-  them, and would keep every branch's."""
+  none of the taken branch's `[64, 64]` intermediates, also inside a remat whose policy
+  would save them (a named one, a matmul's). The controls keep them: a bare `lax.switch`
+  (every branch's, too), and under an enclosing policy a switch of checkpointed branches."""
   def branch(o, a):
-    h = jnp.tanh(jnp.outer(o[0], o[1]))
+    h = ad_checkpoint.checkpoint_name(jnp.tanh(o[0][:, None] @ o[1][None, :]), "h")
     return jnp.sum(jnp.sin(h) * h, axis=1) * a
   branches = (lambda o, a: o[0] * a, branch)
   ops, aux = (jnp.arange(1.0, 65.0), jnp.ones(64)), jnp.float32(2.0)
+  policy = {None: None, "save_only_these_names":
+            jax.checkpoint_policies.save_only_these_names("h"),
+            "dots_with_no_batch_dims_saveable":
+            jax.checkpoint_policies.dots_with_no_batch_dims_saveable}[outer]
 
   def saved(switch) -> list[str]:
+    fn = lambda o: switch(1, branches, o, aux)
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-      ad_checkpoint.print_saved_residuals(lambda o: switch(1, branches, o, aux), ops)
+      ad_checkpoint.print_saved_residuals(fn if policy is None else
+                                          jax.checkpoint(fn, policy=policy), ops)
     return re.findall(r"\b[a-z]+\d+\[[\d,]*\]", printed.getvalue())  # dtype[shape]
   kept = saved(fallback.switch_with_recompute)
   assert kept and all(shape in ("f32[64]", "f32[]", "i32[]") for shape in kept), kept
-  assert "f32[64,64]" in saved(jax.lax.switch)
+  control = jax.lax.switch if policy is None else _checkpointed_switch
+  assert "f32[64,64]" in saved(control)
 
 
 @PATHS
