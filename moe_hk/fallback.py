@@ -235,7 +235,7 @@ def _opaque_switch(branches, index, operands, aux):
 
 
 def _opaque_switch_fwd(branches, index, operands, aux):
-  return jax.lax.switch(index, branches, operands, aux), (index, operands, aux)
+  return _opaque_switch(branches, index, operands, aux), (index, operands, aux)
 
 
 def _opaque_switch_bwd(branches, residuals, cotangent):
