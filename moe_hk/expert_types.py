@@ -11,7 +11,8 @@ import jax
 
 
 class ExpertWeights(NamedTuple):
-  """This shard's experts (already gathered over fsdp)."""
+  """This shard's experts: as stored (float32, D possibly sharded over fsdp) or as a path runs
+  them (gathered over fsdp, in the compute dtype: `moe_hk.shard_forward.Gather`)."""
   wi_0: jax.Array  # [L, D, F]
   wi_1: jax.Array  # [L, D, F]
   wo: jax.Array    # [L, F, D]

@@ -6,7 +6,8 @@ shards, n chunks.
 When a capped buffer would overflow, the layer reruns dropless over n chunks of its tokens, each
 with the worst-case buffer of its T / n tokens, which is no larger than the capped buffer. The
 chunks run in a `lax.scan` whose body is `jax.checkpoint(nothing_saveable)`: the backward
-recomputes one chunk at a time and the weights' gradients accumulate in the scan carry.
+recomputes one chunk at a time and the weights' gradients accumulate in the scan carry, in the
+form the weights are stored (each chunk gathers its experts: `moe_hk.shard_forward`).
 
 Adaptive chunking: n is sized for the worst case, whose n chunks hold as many buffer rows in
 all as the worst-case buffer, whatever the overflow. A chunk's cost follows its buffer rows (an

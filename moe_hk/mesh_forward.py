@@ -183,12 +183,12 @@ def forward_after_check(params: MoEParams, x: jax.Array, *, config: MoEConfig, m
                        jnp.int32)
 
   def shard_fn(x_local, after_local, router_w, wi_0, wi_1, wo):
-    experts = _gather_fsdp(ExpertWeights(wi_0, wi_1, wo), mesh, config)
     # What a shard reads of the call; the flag is the shard's copy of `after`.
     local_call = LayerCall(force_dropless=call.force_dropless,
                            after_overflow=after_local if step_mode else None)
-    y, local = moe_shard(x_local, router_w, experts, config=config, backends=backends,
-                         mesh_axes=axes, shard=shard, call=local_call)
+    y, local = moe_shard(x_local, router_w, ExpertWeights(wi_0, wi_1, wo), config=config,
+                         backends=backends, mesh_axes=axes, shard=shard, call=local_call,
+                         gather=functools.partial(_gather_fsdp, mesh=mesh, config=config))
     return y, reduce_stats(local, mesh, config)
 
   specs = param_specs(config, mesh)

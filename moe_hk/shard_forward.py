@@ -88,13 +88,22 @@ def check(route: routing_lib.Routing, config: MoEConfig, shard: ShardSize) -> Ch
   return Check(traffic, dispatch_plan.overflow_rows(traffic, shard.capped_rows))
 
 
+Gather = Callable[[ExpertWeights], ExpertWeights]
+
+
+def as_stored(experts: ExpertWeights) -> ExpertWeights:
+  """The `Gather` of experts stored as they run (no fsdp dim, already in the compute dtype)."""
+  return experts
+
+
 class _Paths:
   """The ways one shard can run its experts, each `(operands, expert_ids [B, S, K]) -> y`
-  with operands `(x [B, S, D], weights [B, S, K], experts)`, each making the rows of an
+  with operands `(x [B, S, D], weights [B, S, K], experts)`, `experts` as stored; each path
+  makes them the experts it runs with `gather` where it runs them, and makes the rows of an
   unrouted token NaN inside its own branch (`routing.nan_where_unrouted` says why there)."""
 
-  def __init__(self, config: MoEConfig, backends: Backends, shard: ShardSize):
-    self.config, self.shard = config, shard
+  def __init__(self, config: MoEConfig, backends: Backends, shard: ShardSize, gather: Gather):
+    self.config, self.shard, self.gather = config, shard, gather
     path = ring_moe if config.use_ring_of_experts else ragged_moe
     self.run = functools.partial(path, config=config, backends=backends)
 
@@ -110,7 +119,7 @@ class _Paths:
     def run_buffer(operands, expert_ids):
       x, weights, experts = operands
       y = self.run(x.reshape(s.tokens, s.width), expert_ids.reshape(s.tokens, s.k),
-                   weights.reshape(s.tokens, s.k), experts, rows=rows)
+                   weights.reshape(s.tokens, s.k), self.gather(experts), rows=rows)
       return self._nan_unrouted(y.astype(x.dtype), expert_ids)
     return run_buffer
 
@@ -118,11 +127,15 @@ class _Paths:
     """The chunked dropless path of `rung`: rung.rows <= the fixed rung's <= the capped
     buffer's; below a chunk's worst case, a rung runs only when its chunks' actual traffic
     fits (`adaptive_rung`), so no rung drops a row. Each chunk's output is cast to x's dtype
-    in the chunk, so the scan stacks no float32 copy of the layer's output."""
+    in the chunk, so the scan stacks no float32 copy of the layer's output. Each chunk gathers
+    the experts itself: the scan's backward then sums the chunks' weight gradients as the
+    experts are stored (float32, fsdp-sharded: each chunk's reduce-scattered), not in a carry
+    of the gathered experts' size and compute dtype (bfloat16 sums of every chunk)."""
     def run_chunks(operands, expert_ids):
       x, weights, experts = operands
       def chunk(x_c, ids_c, weights_c):
-        return self.run(x_c, ids_c, weights_c, experts, rows=rung.rows).astype(x.dtype)
+        return self.run(x_c, ids_c, weights_c, self.gather(experts),
+                        rows=rung.rows).astype(x.dtype)
       return self._nan_unrouted(
           fallback.chunked_dropless(chunk, x, (expert_ids, weights), rung.chunks), expert_ids)
     return run_chunks
@@ -141,15 +154,16 @@ def _fixed_rung(config: MoEConfig, shard: ShardSize) -> fallback.Rung:
 def exchange_or_fall_back(x: jax.Array, route: routing_lib.Routing, experts: ExpertWeights,
                           checked: Check, *, config: MoEConfig, backends: Backends,
                           mesh_axes: tuple[str, ...], shard: ShardSize,
-                          call: LayerCall) -> Ran:
+                          call: LayerCall, gather: Gather = as_stored) -> Ran:
   """Runs the shard's experts on `x [B, S, D]` by the path the layer was built for: the
   worst-case buffer (`call.force_dropless`); the capped path behind the overflow check, which
   falls back to the chunked dropless path (`moe_dropless_fallback` 'layer' or 'step'; 'layer'
   with adaptive chunking falls back to the first rung of `fallback.traffic_ladder` whose
   chunks fit, chosen at run time); or the capped path alone. In 'step' mode the check also
   takes the chunked path when `call.after_overflow` (bool scalar, the same on every device)
-  says an earlier MoE layer of the step overflowed."""
-  s, paths, zero = shard, _Paths(config, backends, shard), jnp.zeros((), jnp.int32)
+  says an earlier MoE layer of the step overflowed. `experts` are as stored; `gather` makes
+  them the experts a path runs (`moe_shard`)."""
+  s, paths, zero = shard, _Paths(config, backends, shard, gather), jnp.zeros((), jnp.int32)
   ids = route.expert_ids.reshape(s.batch, s.seq, s.k)
   operands = (x, route.weights.reshape(s.batch, s.seq, s.k), experts)
   if call.force_dropless:
@@ -197,15 +211,19 @@ def shard_stats(route: routing_lib.Routing, checked: Check, ran: Ran, config: Mo
 
 def moe_shard(x: jax.Array, router_w: jax.Array, experts: ExpertWeights, *, config: MoEConfig,
               backends: Backends, mesh_axes: tuple[str, ...], shard: ShardSize,
-              call: LayerCall = LayerCall()) -> tuple[jax.Array, MoEStats]:
+              call: LayerCall = LayerCall(), gather: Gather = as_stored
+              ) -> tuple[jax.Array, MoEStats]:
   """`x [B, S, D]` -> `(y [B, S, D], MoEStats)` on one shard of size `shard` (`size`), the
   stats this shard's view before `moe_hk.stats.reduce_stats` (`moe_hk.stats.REDUCTIONS` says
-  what each field holds): route, check, exchange or fall back, stats."""
+  what each field holds): route, check, exchange or fall back, stats. `experts` are this
+  shard's as stored and `gather` (`moe_hk.mesh_forward`: the fsdp all-gather in the compute
+  dtype) makes them the `[L, D, F]` experts that run, inside each path: once in a buffer's,
+  per chunk in the fallback's."""
   route = routing_lib.route(x.reshape(shard.tokens, shard.width), router_w, shard.k,
                             config.router_score, config.norm_topk_prob)
   checked = check(route, config, shard)
   ran = exchange_or_fall_back(x, route, experts, checked, config=config, backends=backends,
-                              mesh_axes=mesh_axes, shard=shard, call=call)
+                              mesh_axes=mesh_axes, shard=shard, call=call, gather=gather)
   return ran.y, shard_stats(route, checked, ran, config, shard)
 
 

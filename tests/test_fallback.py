@@ -2,12 +2,14 @@
 import functools
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import moe_hk
-from moe_hk import fallback
+from moe_hk import fallback, mesh as mesh_lib, mesh_forward, shard_forward
+from moe_hk.expert_types import ExpertWeights
 from tests.moe_inputs import (dense_reference, outputs_and_grads, per_device_stats,
                                reference_outputs_and_grads, skewed_inputs)
 from tests.tree_close import assert_trees_close, relative_error
@@ -60,12 +62,18 @@ FALLBACK_CASES = [
        # One expert shard (a single chip): its balanced load overflows a factor below 1, and
        # its exchange is a local copy (`all_to_all.local_ragged_all_to_all`).
        (ONE_SHARD, False, "fixed", "ragged_dot")]]
+# The experts' embedding dim sharded over an fsdp axis: each fallback chunk gathers them, and
+# their gradients come back reduce-scattered chunk by chunk.
+FALLBACK_CASES.append(pytest.param(*OVERFLOW[0], False, "fixed", "ragged_dot", ("fsdp",),
+                                   id="-".join(map(str, OVERFLOW[0])) + "-fsdp2-fixed"))
 
 
 @pytest.mark.parametrize("shards,experts,k,factor,seq,ring,chunking,gmm,extras", FALLBACK_CASES)
 def test_layer_fallback_equals_dropless(ring, shards, experts, k, factor, seq, chunking, gmm,
                                         extras):
-  mesh = moe_hk.make_mesh(data=NUM_DEVICES // shards, expert=shards)
+  groups = NUM_DEVICES // shards
+  mesh = (moe_hk.make_mesh(data=1, fsdp=groups, expert=shards) if "fsdp" in extras else
+          moe_hk.make_mesh(data=groups, expert=shards))
   config = _config(experts, k, factor, use_ring_of_experts=ring, moe_dropless_fallback="layer",
                    dropless_fallback_chunking=chunking, gmm_impl=gmm)
   params, x = skewed_inputs(config, BATCH, seq, skew=1.5, seed=shards + k)
@@ -197,3 +205,56 @@ def test_chunks_are_contiguous_token_blocks():
   out = fallback.chunked_dropless(chunk_fn, a, (a,), 4)
   np.testing.assert_array_equal(out, 3 * a)
   assert seen == [(6, 3)]  # traced once, inside the scan
+
+
+def _scan_carries(jaxpr) -> list[tuple[tuple[int, ...], str]]:
+  """(shape, dtype) of every scan carry in `jaxpr`, its sub-jaxprs included."""
+  found = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "scan":
+      # A scan's outputs are its carries, shaped as its body's, then its stacked outputs,
+      # each with a leading length (how jax 0.10 and 0.12 alike show which are which).
+      body = eqn.params["jaxpr"].jaxpr
+      for out, inner in zip(eqn.outvars, body.outvars):
+        if out.aval.shape != inner.aval.shape:
+          break
+        found.append((tuple(out.aval.shape), str(out.aval.dtype)))
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      found += _scan_carries(sub)
+  return found
+
+
+@pytest.mark.parametrize("gathered_before", [False, True], ids=["product", "control"])
+def test_chunks_sum_weight_gradients_as_the_experts_are_stored(gathered_before):
+  """bfloat16 experts on an fsdp mesh: the fallback's chunk scan sums the weights' gradients
+  in their stored form (float32, `[L, D / fsdp, F]`), each chunk's reduce-scattered, not in a
+  carry of the gathered experts (`[L, D, F]` bfloat16, the sum rounded once per chunk,
+  at fsdp times the size). The control gathers the experts before the layer's paths, as the
+  layer did: its backward scan carries them gathered in bfloat16."""
+  shards, fsdp = 4, 2
+  mesh = moe_hk.make_mesh(data=1, fsdp=fsdp, expert=shards)
+  config = _config(8, 2, 0.5, moe_dropless_fallback="layer", dtype="bfloat16")
+  params, x = skewed_inputs(config, BATCH, 16, skew=1.5, seed=6)
+  backends = mesh_forward.resolve_backends(config, mesh)
+
+  def shard_fn(x_, router_w, wi_0, wi_1, wo):
+    gather = functools.partial(mesh_forward._gather_fsdp, mesh=mesh, config=config)
+    experts = ExpertWeights(wi_0, wi_1, wo)
+    if gathered_before:
+      experts, gather = gather(experts), shard_forward.as_stored
+    shard = shard_forward.size(x_.shape, config, shards)
+    return shard_forward.moe_shard(x_, router_w, experts, config=config, backends=backends,
+                                   mesh_axes=tuple(mesh.axis_names), shard=shard,
+                                   gather=gather)[0]
+  batch = mesh_lib.batch_spec(mesh)
+  layer = jax.shard_map(shard_fn, mesh=mesh, in_specs=(batch, *moe_hk.param_specs(config, mesh)),
+                        out_specs=batch)
+  loss = lambda p: jnp.sum(layer(x, *p))
+  carries = _scan_carries(jax.make_jaxpr(jax.grad(loss))(params).jaxpr)
+  local, width, hidden = 8 // shards, config.emb_dim, config.mlp_dim
+  gathered = {((local, width, hidden), "bfloat16"), ((local, hidden, width), "bfloat16")}
+  stored = {((local, width // fsdp, hidden), "float32"), ((local, hidden, width // fsdp), "float32")}
+  if gathered_before:
+    assert gathered <= set(carries), carries
+  else:
+    assert stored <= set(carries) and not gathered & set(carries), carries

@@ -98,3 +98,17 @@ def test_the_default_variant_is_the_one_the_config_trains():
   from launch.configs import maverick
   assert variants.trained_variant(settings_of(maverick.get_config(), 128).layer) == (
       "fallback_scan")
+
+
+@pytest.mark.slow
+def test_variants_compile_in_parallel_processes_in_their_order():
+  """`launch.aot --jobs=2`: two variants of the tiny step compile at once, each in its own
+  spawned process, and come back in the order asked, with the figures of a real compile (the
+  worst-case buffer holds more than the capped one)."""
+  from launch import aot
+  settings = settings_of(tiny.get_config())
+  rows = aot.compile_variants(settings, "cpu:8", topology_lib.topology_devices("cpu:8"),
+                              ["worst_case", "capped"], jobs=2)
+  assert [r["variant"] for r in rows] == ["worst_case", "capped"]
+  assert all(r["compiled"] and r["flops"] > 0 for r in rows)
+  assert rows[0]["total_bytes"] > rows[1]["total_bytes"]
