@@ -17,7 +17,6 @@ plus the argument shards. The figures go to `benchmarks/results/<--results>.json
 """
 import concurrent.futures
 import json
-import multiprocessing
 import os
 
 from absl import flags
@@ -32,9 +31,8 @@ _CONFIG = cli.define_config("config", "maverick.py", "Model configuration file."
 _TOPOLOGY = topology_lib.topology_flag("v5p-256", "'v5p-N', 'v5p:AxBxC' or 'cpu:N'.")
 _VARIANTS = flags.DEFINE_list("variants", [], f"Any of {', '.join(VARIANTS)}, or 'all'; "
                               "default: the one the config trains.")
-_JOBS = flags.DEFINE_integer("jobs", 1, "Variants compiled at once, each in its own process "
-                             "(a TPU VM's host: one Maverick compile takes minutes of one core).",
-                             lower_bound=1)
+_JOBS = flags.DEFINE_integer("jobs", 1, "Variants compiled at once (threads; a Maverick "
+                             "compile takes minutes of one core and about 8 GB).", lower_bound=1)
 _RESULTS = flags.DEFINE_string("results", None, "Name of the JSON written to benchmarks/results/ "
                                "(default aot_<config>_<topology>[_<variants>]); '' writes none.")
 
@@ -79,25 +77,14 @@ def _variants(settings: settings_lib.Settings) -> list[str]:
   return asked
 
 
-def _compile_in_child(settings: settings_lib.Settings, topology: str, variant: str) -> dict:
-  """`compile_variant` in a fresh process (`compile_variants`): its own jax, set up as the
-  parent's."""
-  platform.setup(topology_lib.cpu_device_count(topology), cpu_only=True)
-  return compile_variant(settings, topology_lib.topology_devices(topology), variant)
-
-
-def compile_variants(settings: settings_lib.Settings, topology: str, devices, variants: list[str],
+def compile_variants(settings: settings_lib.Settings, devices, variants: list[str],
                      jobs: int) -> list[dict]:
-  """Each variant's row (`compile_variant` for `devices`, the devices of `topology`), in
-  `variants`' order; `jobs > 1` compiles that many at once in spawned processes (each holds
-  its own program: the host's memory bounds how many)."""
-  if jobs == 1 or len(variants) == 1:
-    return [compile_variant(settings, devices, v) for v in variants]
-  context = multiprocessing.get_context("spawn")
-  with concurrent.futures.ProcessPoolExecutor(min(jobs, len(variants)),
-                                              mp_context=context) as pool:
-    return list(pool.map(_compile_in_child, [settings] * len(variants),
-                         [topology] * len(variants), variants))
+  """Each variant's row (`compile_variant` for `devices`), in `variants`' order; `jobs > 1`
+  compiles that many at once, on threads of this process: XLA's compile, the minutes of a
+  Maverick variant, runs outside Python's lock, and one process holds libtpu (on a TPU VM
+  a second process's topology client cannot open the chips the first one holds)."""
+  with concurrent.futures.ThreadPoolExecutor(min(jobs, len(variants))) as pool:
+    return list(pool.map(lambda v: compile_variant(settings, devices, v), variants))
 
 
 def main(argv):
@@ -107,7 +94,7 @@ def main(argv):
     devices = topology_lib.topology_devices(_TOPOLOGY.value)
   settings = settings_lib.build(_CONFIG.value, len(devices))
   variants = _variants(settings)
-  rows = compile_variants(settings, _TOPOLOGY.value, devices, variants, _JOBS.value)
+  rows = compile_variants(settings, devices, variants, _JOBS.value)
   model = model_flops(settings, devices)
   figures = {"topology": _TOPOLOGY.value, "devices": len(devices),
              "platform": devices[0].platform, "mesh": dict(settings.mesh), "model": model,
