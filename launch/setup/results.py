@@ -68,8 +68,10 @@ def write(name: str, figures: dict[str, Any], argv: list[str] | None = None,
   returns the path."""
   os.makedirs(RESULTS, exist_ok=True)
   path = os.path.join(RESULTS, f"{name}.json")
+  # Stamped before the file is opened: truncating a committed result would read as a change.
+  stamped = record(figures, argv, measured_on)
   with open(path, "w") as f:
-    json.dump(record(figures, argv, measured_on), f, indent=2)
+    json.dump(stamped, f, indent=2)
     f.write("\n")
   return path
 
