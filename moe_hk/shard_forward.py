@@ -129,8 +129,8 @@ class _Paths:
     fits (`adaptive_rung`), so no rung drops a row. Each chunk's output is cast to x's dtype
     in the chunk, so the scan stacks no float32 copy of the layer's output. Each chunk gathers
     the experts itself: the scan's backward then sums the chunks' weight gradients as the
-    experts are stored (float32, fsdp-sharded: each chunk's reduce-scattered), not in a carry
-    of the gathered experts' size and compute dtype (bfloat16 sums of every chunk)."""
+    experts are stored (float32; on an fsdp axis each chunk's reduce-scattered), not in a carry
+    of the gathered experts' size and compute dtype (a bfloat16 sum rounded per chunk)."""
     def run_chunks(operands, expert_ids):
       x, weights, experts = operands
       def chunk(x_c, ids_c, weights_c):
