@@ -82,10 +82,11 @@ def backends_on(config: MoEConfig, platform: str) -> Backends:
   return Backends(a2a, gmm, interpret=gmm in ("megablox", "tokamax") and platform == "cpu")
 
 
-def _gather_fsdp(experts: ExpertWeights, mesh: Mesh, config: MoEConfig) -> ExpertWeights:
-  """The local experts in the compute dtype (`casting.to_compute_dtype`: rounded inside the
-  layer scan, not hoisted out of it), their fsdp-sharded embedding dim all-gathered
-  (`gather_in_dtype`)."""
+def gather_experts(experts: ExpertWeights, mesh: Mesh, config: MoEConfig) -> ExpertWeights:
+  """The shard's `moe_hk.shard_forward.Gather` (inside shard_map): its stored experts
+  (float32, `[L, D / fsdp, F]`) as they run, in the compute dtype (`casting.to_compute_dtype`:
+  rounded inside the layer scan, not hoisted out of it), their fsdp-sharded embedding dim
+  all-gathered (`gather_in_dtype`) to `[L, D, F]`."""
   specs = param_specs(config, mesh)
   def gather(w, spec):
     if mesh_lib.FSDP_AXIS not in spec:
@@ -188,7 +189,7 @@ def forward_after_check(params: MoEParams, x: jax.Array, *, config: MoEConfig, m
                            after_overflow=after_local if step_mode else None)
     y, local = moe_shard(x_local, router_w, ExpertWeights(wi_0, wi_1, wo), config=config,
                          backends=backends, mesh_axes=axes, shard=shard, call=local_call,
-                         gather=functools.partial(_gather_fsdp, mesh=mesh, config=config))
+                         gather=functools.partial(gather_experts, mesh=mesh, config=config))
     return y, reduce_stats(local, mesh, config)
 
   specs = param_specs(config, mesh)

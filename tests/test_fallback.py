@@ -238,7 +238,7 @@ def test_chunks_sum_weight_gradients_as_the_experts_are_stored(gathered_before):
   backends = mesh_forward.resolve_backends(config, mesh)
 
   def shard_fn(x_, router_w, wi_0, wi_1, wo):
-    gather = functools.partial(mesh_forward._gather_fsdp, mesh=mesh, config=config)
+    gather = functools.partial(mesh_forward.gather_experts, mesh=mesh, config=config)
     experts = ExpertWeights(wi_0, wi_1, wo)
     if gathered_before:
       experts, gather = gather(experts), shard_forward.as_stored
