@@ -31,8 +31,9 @@ _CONFIG = cli.define_config("config", "maverick.py", "Model configuration file."
 _TOPOLOGY = topology_lib.topology_flag("v5p-256", "'v5p-N', 'v5p:AxBxC' or 'cpu:N'.")
 _VARIANTS = flags.DEFINE_list("variants", [], f"Any of {', '.join(VARIANTS)}, or 'all'; "
                               "default: the one the config trains.")
-_JOBS = flags.DEFINE_integer("jobs", 1, "Variants compiled at once (threads; a Maverick "
-                             "compile takes minutes of one core and about 8 GB).", lower_bound=1)
+_JOBS = flags.DEFINE_integer("jobs", 1, "Variants compiled at once, on threads (a Maverick "
+                             "variant: minutes of one core, 8 GB of host memory, the adaptive "
+                             "one over 40).", lower_bound=1)
 _RESULTS = flags.DEFINE_string("results", None, "Name of the JSON written to benchmarks/results/ "
                                "(default aot_<config>_<topology>[_<variants>]); '' writes none.")
 

@@ -154,7 +154,7 @@ def _fixed_rung(config: MoEConfig, shard: ShardSize) -> fallback.Rung:
 def exchange_or_fall_back(x: jax.Array, route: routing_lib.Routing, experts: ExpertWeights,
                           checked: Check, *, config: MoEConfig, backends: Backends,
                           mesh_axes: tuple[str, ...], shard: ShardSize,
-                          call: LayerCall, gather: Gather = as_stored) -> Ran:
+                          call: LayerCall, gather: Gather) -> Ran:
   """Runs the shard's experts on `x [B, S, D]` by the path the layer was built for: the
   worst-case buffer (`call.force_dropless`); the capped path behind the overflow check, which
   falls back to the chunked dropless path (`moe_dropless_fallback` 'layer' or 'step'; 'layer'
