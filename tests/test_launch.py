@@ -883,32 +883,34 @@ def _orbax_commits_waiting(within_s: float = 30.0) -> list[str]:
 @pytest.mark.parametrize("failure", ["read_only", "disk_full"])
 def test_failed_checkpoint_write_stops_in_one_line_and_keeps_the_previous(baseline, tmp_path,
                                                                           failure):
-  """After step 4's checkpoint the folder turns read-only, or fills up with room for half a
-  checkpoint (the save at step 8 then fails part-way): the run stops with one line naming
-  the newest intact checkpoint, and none of the failed save's writes is left waiting; once
-  the folder is fixed the rerun resumes from it, with the uninterrupted run's losses, whatever
-  the failed save left."""
+  """After step 4's checkpoint the folder turns read-only, or fills up with room for half the
+  train state's bytes (the save at step 8 then fails part-way): the run stops with one line
+  naming the newest intact checkpoint, and none of the failed save's writes is left waiting;
+  once the folder is fixed the rerun resumes from it, with the uninterrupted run's losses,
+  whatever the failed save left. (The room is not half of checkpoint 4's files: how many
+  bytes orbax's data files take varies from one save to the next, 1.0 to 2.2 MB for this
+  state, so that half of one checkpoint once held all of the next.)"""
   workdir = str(tmp_path / "run")
   checkpoints = os.path.join(workdir, "checkpoints")
+  settings = settings_of(run_config())
   with _tmpfs(checkpoints) as remount:
-    trainer.train_and_evaluate(settings_of(run_config()), workdir, stop_after=4)
-    size = sum(os.path.getsize(os.path.join(d, f))
-               for d, _, files in os.walk(os.path.join(checkpoints, "4")) for f in files)
-    ballast = _fill(checkpoints, size // 2) if failure == "disk_full" else None
+    trainer.train_and_evaluate(settings, workdir, stop_after=4)
+    state_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(_restored_state(settings, workdir)))
+    ballast = _fill(checkpoints, state_bytes // 2) if failure == "disk_full" else None
     if failure == "read_only":
       remount("ro")
     with pytest.raises(UserError, match=rf"writing a checkpoint to {checkpoints} failed \(.*"
                                         r"\); checkpoints/4 is the newest intact one: free space "
                                         r"or fix "
                                         r"the folder's permissions, then rerun to resume\.$"):
-      trainer.train_and_evaluate(settings_of(run_config()), workdir)
+      trainer.train_and_evaluate(settings, workdir)
     assert _orbax_commits_waiting() == []
     if ballast:
       os.remove(ballast)
     else:
       remount("rw")
     assert sorted(os.listdir(checkpoints)) == ["1", "4"]
-    rest = trainer.train_and_evaluate(settings_of(run_config()), workdir)
+    rest = trainer.train_and_evaluate(settings, workdir)
   np.testing.assert_allclose(rest, baseline.losses[4:], rtol=1e-6)
 
 
