@@ -19,6 +19,7 @@ import concurrent.futures
 import json
 import os
 
+import jax
 from absl import flags
 
 from launch.compiling import topology as topology_lib
@@ -83,9 +84,16 @@ def compile_variants(settings: settings_lib.Settings, devices, variants: list[st
   """Each variant's row (`compile_variant` for `devices`), in `variants`' order; `jobs > 1`
   compiles that many at once, on threads of this process: XLA's compile, the minutes of a
   Maverick variant, runs outside Python's lock, and one process holds libtpu (on a TPU VM
-  a second process's topology client cannot open the chips the first one holds)."""
+  a second process's topology client cannot open the chips the first one holds). Each thread
+  compiles at the caller's matmul precision: jax's config contexts hold for the thread that
+  entered them, and the precision changes the TPU compiler's fusions, so its figures."""
+  precision = jax.config.jax_default_matmul_precision
+
+  def compile_one(variant: str) -> dict:
+    with jax.default_matmul_precision(precision):
+      return compile_variant(settings, devices, variant)
   with concurrent.futures.ThreadPoolExecutor(min(jobs, len(variants))) as pool:
-    return list(pool.map(lambda v: compile_variant(settings, devices, v), variants))
+    return list(pool.map(compile_one, variants))
 
 
 def main(argv):
