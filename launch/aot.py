@@ -34,7 +34,8 @@ _VARIANTS = flags.DEFINE_list("variants", [], f"Any of {', '.join(VARIANTS)}, or
                               "default: the one the config trains.")
 _JOBS = flags.DEFINE_integer("jobs", 1, "Variants compiled at once, on threads (a Maverick "
                              "variant: minutes of one core, 8 GB of host memory, the adaptive "
-                             "one over 40).", lower_bound=1)
+                             "one over 40; libtpu has crashed once on two tiny ones at once).",
+                             lower_bound=1)
 _RESULTS = flags.DEFINE_string("results", None, "Name of the JSON written to benchmarks/results/ "
                                "(default aot_<config>_<topology>[_<variants>]); '' writes none.")
 
