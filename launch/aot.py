@@ -14,6 +14,12 @@ counts: `launch.compiling.flops`; XLA's `cost_analysis()` counts a loop body onc
 the JSON only) beside 6 x active parameters x tokens. A variant whose temporaries exceed the
 chip's HBM does not compile for TPU; its row then shows the compiler's stated temporaries
 plus the argument shards. The figures go to `benchmarks/results/<--results>.json` too.
+
+Each row records its `program`: a digest of what the compiler was given (the lowered program,
+jax, jaxlib and libtpu, the devices, the XLA flags: `launch.compiling.program_key`).
+`--reuse=FILE` reads back the rows of an earlier results file whose program is this run's,
+instead of compiling them again (`"reused": true`): a compile is deterministic, and a Maverick
+variant takes minutes.
 """
 import concurrent.futures
 import json
@@ -36,6 +42,9 @@ _JOBS = flags.DEFINE_integer("jobs", 1, "Variants compiled at once, on threads (
                              "variant: minutes of one core, 8 GB of host memory, the adaptive "
                              "one over 40; libtpu has crashed once on two tiny ones at once).",
                              lower_bound=1)
+_REUSE = flags.DEFINE_string("reuse", None, "A results JSON of launch.aot (e.g. benchmarks/"
+                             "results/aot_maverick_v5p-256_jax0.10.2.json): its rows whose "
+                             "program is this run's are read back, not compiled.")
 _RESULTS = flags.DEFINE_string("results", None, "Name of the JSON written to benchmarks/results/ "
                                "(default aot_<config>_<topology>[_<variants>]); '' writes none.")
 
@@ -63,7 +72,8 @@ def print_table(topology: str, settings: settings_lib.Settings, model: dict, row
                    if flops else "- | -")
     print(f"| {r['variant']} | {total:.2f} | {r['argument_bytes'] / GIB:.2f} | "
           f"{r['temp_bytes'] / GIB:.2f} | {r.get('host_temp_bytes', 0) / GIB:.2f} | {ratio} | "
-          f"{accepted} | {fits} | {flops_cells} | {r['compile_seconds']} |")
+          f"{accepted} | {fits} | {flops_cells} | "
+          f"{'reused' if r.get('reused') else r['compile_seconds']} |")
 
 
 def _variants(settings: settings_lib.Settings) -> list[str]:
@@ -80,19 +90,34 @@ def _variants(settings: settings_lib.Settings) -> list[str]:
   return asked
 
 
+def known_rows(path: str | None) -> dict[str, dict]:
+  """The rows of the results JSON at `path` that record their program, by program; none for
+  no path."""
+  if path is None:
+    return {}
+  try:
+    with open(path) as f:
+      rows = json.load(f)["results"]
+  except (OSError, ValueError, KeyError, TypeError) as e:
+    raise UserError(f"--reuse={path}: not a results file of launch.aot ({e}); give the path "
+                    "of a JSON it wrote, e.g. benchmarks/results/aot_<config>_<topology>.json")
+  return {r["program"]: r for r in rows if "program" in r}
+
+
 def compile_variants(settings: settings_lib.Settings, devices, variants: list[str],
-                     jobs: int) -> list[dict]:
+                     jobs: int, known: dict[str, dict] | None = None) -> list[dict]:
   """Each variant's row (`compile_variant` for `devices`), in `variants`' order; `jobs > 1`
   compiles that many at once, on threads of this process: XLA's compile, the minutes of a
   Maverick variant, runs outside Python's lock, and one process holds libtpu (on a TPU VM
   a second process's topology client cannot open the chips the first one holds). Each thread
   compiles at the caller's matmul precision: jax's config contexts hold for the thread that
-  entered them, and the precision changes the TPU compiler's fusions, so its figures."""
+  entered them, and the precision changes the TPU compiler's fusions, so its figures. Rows of
+  `known` (by program) are read back, not compiled (`compile_variant`)."""
   precision = jax.config.jax_default_matmul_precision
 
   def compile_one(variant: str) -> dict:
     with jax.default_matmul_precision(precision):
-      return compile_variant(settings, devices, variant)
+      return compile_variant(settings, devices, variant, known)
   with concurrent.futures.ThreadPoolExecutor(min(jobs, len(variants))) as pool:
     return list(pool.map(compile_one, variants))
 
@@ -102,9 +127,10 @@ def main(argv):
   with user_errors():
     platform.setup(topology_lib.cpu_device_count(_TOPOLOGY.value), cpu_only=True)
     devices = topology_lib.topology_devices(_TOPOLOGY.value)
+    known = known_rows(_REUSE.value)
   settings = settings_lib.build(_CONFIG.value, len(devices))
   variants = _variants(settings)
-  rows = compile_variants(settings, devices, variants, _JOBS.value)
+  rows = compile_variants(settings, devices, variants, _JOBS.value, known)
   model = model_flops(settings, devices)
   figures = {"topology": _TOPOLOGY.value, "devices": len(devices),
              "platform": devices[0].platform, "mesh": dict(settings.mesh), "model": model,

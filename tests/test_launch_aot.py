@@ -120,7 +120,7 @@ def test_variants_compile_on_threads_at_the_callers_precision(monkeypatch):
   precision the caller compiles at there too (jax's contexts hold for one thread only; on
   another, the suite's 'highest' would be back)."""
   seen = []
-  monkeypatch.setattr(aot, "compile_variant", lambda settings, devices, variant: seen.append(
+  monkeypatch.setattr(aot, "compile_variant", lambda settings, devices, variant, known: seen.append(
       (variant, jax.config.jax_default_matmul_precision)) or {"variant": variant})
   with user_precision():
     rows = aot.compile_variants(None, None, ["capped", "step"], jobs=2)

@@ -12,12 +12,13 @@ from __future__ import annotations
 import dataclasses
 import re
 import time
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import jax
 
 import moe_hk
 from launch.compiling import flops as flops_lib
+from launch.compiling.program_key import program_key
 from launch.model import memory, transformer as model_lib
 from launch.model.train_step import abstract_inputs, make_steps
 from launch.setup.settings import Settings
@@ -54,25 +55,32 @@ def variant_layer(layer: moe_hk.MoEConfig, variant: str) -> moe_hk.MoEConfig:
                              dropless_fallback_chunking=chunking)
 
 
-def compile_variant(settings: Settings, devices: Sequence[jax.Device], variant: str) -> dict:
+def compile_variant(settings: Settings, devices: Sequence[jax.Device], variant: str,
+                    known: Mapping[str, dict] | None = None) -> dict:
   """Compiles the train step of `variant` for `devices`; returns its memory figures (bytes),
-  matmul FLOPs and compile time. A TPU program whose temporaries exceed HBM does not compile:
-  its figures are then the compiler's stated temporaries plus the argument shards."""
+  matmul FLOPs, compile time and `program` (its `program_key`). A TPU program whose
+  temporaries exceed HBM does not compile: its figures are then the compiler's stated
+  temporaries plus the argument shards. A row of `known` (rows by `program`) for the same
+  program key is returned instead of compiling, marked `"reused": true`."""
   # The naive loop, traced into this variant's own freshly built steps (`chunk_loop`).
   loop = fallback.unrolled_chunks if variant == "fallback_unrolled" else None
   with fallback.chunk_loop(loop):
     return _compile(settings._replace(layer=variant_layer(settings.layer, variant)), devices,
-                    variant)
+                    variant, known or {})
 
 
-def _compile(run: Settings, devices: Sequence[jax.Device], variant: str) -> dict:
+def _compile(run: Settings, devices: Sequence[jax.Device], variant: str,
+             known: Mapping[str, dict]) -> dict:
   """`compile_variant` of the settings `run` (its layer set up as `variant`)."""
   mesh = moe_hk.make_mesh(**run.mesh, devices=devices)
   steps = make_steps(run, mesh)
   state, batch = abstract_inputs(run.config, steps)
   start = time.perf_counter()
   lowered = steps.train.lower(state, batch)
-  row = {"variant": variant}
+  key = program_key(lowered, devices)
+  if key in known:
+    return {**known[key], "variant": variant, "reused": True}
+  row = {"variant": variant, "program": key}
   try:
     compiled = lowered.compile()
   except jax.errors.JaxRuntimeError as e:
