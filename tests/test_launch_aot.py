@@ -1,14 +1,20 @@
 """`launch.aot`'s parts: the launcher's train step compiled for TPU topologies and CPU meshes
 (`launch.compiling`)."""
 import dataclasses
+import importlib.util
 import math
+import os
+import textwrap
 
 import jax
+import jax.numpy as jnp
 import pytest
 
 import moe_hk
 from launch import aot
 from launch.compiling import topology as topology_lib, variants
+from launch.compiling.program_key import program_key
+from launch.setup.errors import UserError
 from launch.configs import tiny
 from launch.model.train_step import abstract_inputs, make_steps
 from tests.helpers import require_libtpu, settings_of, tiny_config, user_precision
@@ -113,6 +119,104 @@ def test_variants_compile_at_once_in_their_order():
   assert [r["variant"] for r in rows] == ["fallback_unrolled", "fallback_scan"]
   assert all(r["compiled"] and r["flops"] > 0 for r in rows)
   assert rows[0]["total_bytes"] > rows[1]["total_bytes"]
+  assert rows[0]["program"] != rows[1]["program"]
+
+
+@pytest.mark.slow
+def test_reuse_reads_back_the_rows_of_the_same_programs(monkeypatch):
+  """`launch.aot --reuse`: rows whose program key is this run's come back as they were, with
+  nothing compiled; a program the file does not hold (another buffer factor) compiles."""
+  settings, devices = settings_of(tiny_config()), topology_lib.topology_devices("cpu:8")
+  first = aot.compile_variants(settings, devices, ["capped", "fallback_scan"], jobs=1)
+  compiled = []
+  compile_ = jax.stages.Lowered.compile
+  monkeypatch.setattr(jax.stages.Lowered, "compile",
+                      lambda self, *a, **k: compiled.append(1) or compile_(self, *a, **k))
+  known = {r["program"]: r for r in first}
+  again = aot.compile_variants(settings, devices, ["fallback_scan", "capped"], jobs=1,
+                               known=known)
+  assert not compiled
+  assert [{**r, "reused": False} for r in again] == [{**first[1], "reused": False},
+                                                     {**first[0], "reused": False}]
+  assert all(r["reused"] for r in again)
+  other = settings._replace(layer=dataclasses.replace(settings.layer, ragged_buffer_factor=3.0))
+  [row] = aot.compile_variants(other, devices, ["capped"], jobs=1, known=known)
+  assert compiled and "reused" not in row and row["program"] not in known
+
+
+def test_reuse_refuses_a_file_that_is_not_a_results_file(tmp_path):
+  path = tmp_path / "notes.json"
+  path.write_text('{"rows": []}')
+  with pytest.raises(UserError, match=rf"^--reuse={path}: not a results file of launch.aot "):
+    aot.known_rows(str(path))
+  with pytest.raises(UserError, match=r"No such file"):
+    aot.known_rows(str(tmp_path / "absent.json"))
+
+
+# One Pallas kernel, written to two folders: `x * FACTOR`.
+_KERNEL = textwrap.dedent("""
+    import jax
+    from jax.experimental import pallas as pl
+
+    def scale(x):
+      def kernel(x_ref, o_ref):
+        o_ref[...] = x_ref[...] * FACTOR
+      return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype))(x)
+    """)
+
+
+def _lowered_kernel(folder, factor: int, device: jax.Device) -> jax.stages.Lowered:
+  """The kernel `x * factor` from `folder/kernel.py`, lowered for `device`, on [8, 128]."""
+  os.makedirs(folder)
+  path = os.path.join(folder, "kernel.py")
+  with open(path, "w") as f:
+    f.write(_KERNEL.replace("FACTOR", str(factor)))
+  spec = importlib.util.spec_from_file_location(f"kernel_{os.path.basename(folder)}", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  x = jax.ShapeDtypeStruct((8, 128), jnp.float32,
+                           sharding=jax.sharding.SingleDeviceSharding(device))
+  return jax.jit(module.scale).lower(x)
+
+
+def test_a_program_key_is_the_programs_not_its_folders(tmp_path):
+  """A Pallas TPU kernel's bytecode carries the source paths of its frames, so one kernel
+  lowered from two folders (two checkouts, two venvs) prints two programs; their key is one,
+  and another kernel's is another."""
+  require_libtpu()
+  devices = topology_lib.topology_devices("v5p-16")
+  here = _lowered_kernel(tmp_path / "a", 2, devices[0])
+  there = _lowered_kernel(tmp_path / "checkout_b", 2, devices[0])
+  other = _lowered_kernel(tmp_path / "c", 3, devices[0])
+  assert here.as_text() != there.as_text()
+  assert program_key(here, devices) == program_key(there, devices)
+  assert program_key(other, devices) != program_key(here, devices)
+
+
+def test_a_program_key_moves_with_what_reaches_the_compiler(monkeypatch):
+  """The key moves with an XLA flag (XLA_FLAGS or LIBTPU_INIT_ARGS), a compile option of
+  jax's and the devices; not with the simulated device count or a dump folder."""
+  devices = jax.devices()
+  lowered = jax.jit(lambda x: x * 2).lower(jax.ShapeDtypeStruct((8,), jnp.float32))
+  key = program_key(lowered, devices)
+  flags = os.environ["XLA_FLAGS"]
+  monkeypatch.setenv("XLA_FLAGS", flags.replace("device_count=8", "device_count=4") +
+                     " --xla_dump_to=/tmp/dumps --xla_dump_hlo_as_text")
+  assert program_key(lowered, devices) == key
+  monkeypatch.setenv("XLA_FLAGS", flags + " --xla_cpu_enable_fast_math=true")
+  assert program_key(lowered, devices) != key
+  monkeypatch.setenv("XLA_FLAGS", flags)
+  monkeypatch.setenv("LIBTPU_INIT_ARGS", "--xla_tpu_enable_latency_hiding_scheduler=false")
+  assert program_key(lowered, devices) != key
+  monkeypatch.delenv("LIBTPU_INIT_ARGS")
+  level = jax.config.values["jax_optimization_level"]
+  jax.config.update("jax_optimization_level", "O1")
+  try:
+    assert program_key(lowered, devices) != key
+  finally:
+    jax.config.update("jax_optimization_level", level)
+  assert program_key(lowered, devices[:1]) != key
+  assert program_key(lowered, devices) == key
 
 
 def test_variants_compile_on_threads_at_the_callers_precision(monkeypatch):

@@ -31,9 +31,10 @@ _KERNEL_LOCATIONS = re.compile(r', \\22debug_locations\\22: \\22[A-Za-z0-9+/=]*\
 # Flags that do not reach a compile's result: the simulated CPU device count and dumps.
 _NOT_COMPILER = re.compile(r"--xla_(force_host_platform_device_count|dump_)")
 # jax's settings that become compile options (jax._src.compiler.get_compile_options).
+# (Those a jax version lacks count as absent.)
 _COMPILE_OPTIONS = ("jax_use_shardy_partitioner", "jax_exec_time_optimization_effort",
                     "jax_memory_fitting_effort", "jax_optimization_level",
-                    "jax_memory_fitting_level", "jax_enable_remat_opt_pass",
+                    "jax_memory_fitting_level", "jax_compiler_enable_remat_pass",
                     "jax_disable_most_optimizations", "jax_xla_profile_version")
 
 
@@ -65,7 +66,7 @@ def compiler_settings() -> list[str]:
   """What reaches the compiler besides the program: package versions, XLA flags, options."""
   flags = sorted(f for var in ("XLA_FLAGS", "LIBTPU_INIT_ARGS")
                  for f in os.environ.get(var, "").split() if not _NOT_COMPILER.match(f))
-  options = [f"{name}={getattr(jax.config, name, 'absent')}" for name in _COMPILE_OPTIONS]
+  options = [f"{name}={jax.config.values.get(name, 'absent')}" for name in _COMPILE_OPTIONS]
   return [f"{p}=={_version(p)}" for p in ("jax", "jaxlib", "libtpu")] + flags + options
 
 
