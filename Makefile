@@ -32,9 +32,10 @@ test-fast: $(STAMP)
 	$(VENV)/bin/lint-imports
 	$(PYTEST) -m "not slow" tests
 
-# The Maverick memory guard (tests/test_memory_guard.py) on this Python's jax, against that
-# jax's committed baseline: `make test` runs it on the jax 0.10.2 lane only;
-# `PYENV_VERSION=3.12.1 make test-memory VENV=.venv-3.12` checks jax 0.12's compiler.
+# The Maverick memory guard (tests/test_memory_guard.py) on this Python's jax, compiled (minutes),
+# against that jax's committed baseline: `make test` reads the figures back while the baseline
+# is of the same program; `PYENV_VERSION=3.12.1 make test-memory VENV=.venv-3.12` checks jax
+# 0.12's compiler.
 test-memory: $(STAMP)
 	MOE_HK_MEMORY_GUARD=1 $(VENV)/bin/python -m pytest -rs -s tests/test_memory_guard.py
 

@@ -63,14 +63,14 @@ gc.set_threshold(100_000, 50, 1000)
 # xdist's `xdist_group` marks cannot do it under pytest 9 (xdist renames the nodeid by writing
 # `item._nodeid`, which pytest 9 no longer reads), so the groups are declared here, longest
 # first: they are handed out in this order (`pytest_collection_modifyitems`), so that the other
-# worker drains the short tests while one holds the memory guard's compile.
+# worker drains the short tests while one holds a long group.
 WORKER_GROUPS = (
+    # The memory guard: seconds while its baseline is of the program it lowers, else a compile
+    # of minutes, on the last core (tests/test_memory_guard.py).
     (r"tests/test_memory_guard\.py::", "memory_guard"),
-    # The other v5p compiles, on the other worker and the other core (`helpers.run_module`) while
-    # the guard's runs: one after the other on one worker, they took 648 s of a fresh-clone 3.11
-    # run's 752.
-    # One worker for both platforms: run side by side, libtpu's compiler threads and XLA:CPU's
-    # compile slow each other down more than running one after the other.
+    # The other v5p compiles (`helpers.run_module`, the first core), on one worker for both
+    # platforms: run side by side, libtpu's compiler threads and XLA:CPU's compile slow each
+    # other down more than running one after the other.
     (r"tests/test_fallback_memory\.py::", "fallback_memory"),
     # The stop-signal tests and the default job's run (other models) share neither the
     # launcher tests' step cache nor their baseline run.
