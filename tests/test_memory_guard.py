@@ -99,12 +99,12 @@ def test_maverick_fallback_matches_the_committed_baseline(fallback, fallback_row
       f"regenerates {BASELINE}")
 
 
-# Since b9cd5bd (the MoE rows gathered both ways) the full step's fallback is over its capped
-# step: 1.091x (74.95 / 68.71 GiB) until the chunks gathered their own experts (f494af2), 1.042x
-# (71.60) since. Open in issue 64, held failing here so that a fix shows (b75c5a8: 62.36 /
-# 68.21, 0.914x).
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="the fallback is 1.042x the capped step (issue 64)")
+# On jax 0.10.2, since b9cd5bd (the MoE rows gathered both ways) the full step's fallback is over
+# its capped step: 1.091x (74.95 / 68.71 GiB) until the chunks gathered their own experts
+# (f494af2), 1.042x (71.60) since. Open in issue 64, held failing here so that a fix shows
+# (b75c5a8: 62.36 / 68.21, 0.914x). jax 0.12's compiler: 0.868x (64.07 / 73.80).
+@pytest.mark.xfail(jax.__version__ == "0.10.2", strict=True, raises=AssertionError,
+                   reason="jax 0.10.2's fallback is 1.042x the capped step (issue 64)")
 def test_maverick_fallback_at_most_one_percent_over_capped(fallback, baseline):
   capped = baseline["capped"]["total_bytes"]
   assert fallback <= 1.01 * capped, (
