@@ -107,13 +107,18 @@ def test_the_default_variant_is_the_one_the_config_trains():
       "fallback_scan")
 
 
+class _Compiling(Exception):
+  """Raised where a program would compile."""
+
+
 @pytest.mark.slow
-def test_variants_compile_at_once_in_their_order():
+def test_variants_compile_at_once_in_their_order_and_are_reused(monkeypatch):
   """`launch.aot --jobs=2`: two variants of the tiny step (the tests' grouped matmul) compile
   at once, on two threads, and come back in the order asked, each its own program: the naive
   chunk loop that one thread traces in (a context variable) holds more than the other's scan.
   On a CPU mesh: two v5p compiles on threads of a test worker crashed libtpu once (a
-  segmentation fault, jax 0.10.2)."""
+  segmentation fault, jax 0.10.2). `--reuse`: a row whose program key is this run's comes back
+  as it was, with nothing compiled; a program the rows do not hold compiles."""
   settings, devices = settings_of(tiny_config()), topology_lib.topology_devices("cpu:8")
   rows = aot.compile_variants(settings, devices, ["fallback_unrolled", "fallback_scan"], jobs=2)
   assert [r["variant"] for r in rows] == ["fallback_unrolled", "fallback_scan"]
@@ -121,27 +126,14 @@ def test_variants_compile_at_once_in_their_order():
   assert rows[0]["total_bytes"] > rows[1]["total_bytes"]
   assert rows[0]["program"] != rows[1]["program"]
 
-
-@pytest.mark.slow
-def test_reuse_reads_back_the_rows_of_the_same_programs(monkeypatch):
-  """`launch.aot --reuse`: rows whose program key is this run's come back as they were, with
-  nothing compiled; a program the file does not hold (another buffer factor) compiles."""
-  settings, devices = settings_of(tiny_config()), topology_lib.topology_devices("cpu:8")
-  first = aot.compile_variants(settings, devices, ["capped", "fallback_scan"], jobs=1)
-  compiled = []
-  compile_ = jax.stages.Lowered.compile
-  monkeypatch.setattr(jax.stages.Lowered, "compile",
-                      lambda self, *a, **k: compiled.append(1) or compile_(self, *a, **k))
-  known = {r["program"]: r for r in first}
-  again = aot.compile_variants(settings, devices, ["fallback_scan", "capped"], jobs=1,
-                               known=known)
-  assert not compiled
-  assert [{**r, "reused": False} for r in again] == [{**first[1], "reused": False},
-                                                     {**first[0], "reused": False}]
-  assert all(r["reused"] for r in again)
-  other = settings._replace(layer=dataclasses.replace(settings.layer, ragged_buffer_factor=3.0))
-  [row] = aot.compile_variants(other, devices, ["capped"], jobs=1, known=known)
-  assert compiled and "reused" not in row and row["program"] not in known
+  def compiling(self, *args, **kwargs):
+    raise _Compiling()
+  monkeypatch.setattr(jax.stages.Lowered, "compile", compiling)
+  known = {r["program"]: r for r in rows}
+  [again] = aot.compile_variants(settings, devices, ["fallback_scan"], jobs=1, known=known)
+  assert again == {**rows[1], "reused": True}
+  with pytest.raises(_Compiling):
+    aot.compile_variants(settings, devices, ["capped"], jobs=1, known=known)
 
 
 def test_reuse_refuses_a_file_that_is_not_a_results_file(tmp_path):
