@@ -20,6 +20,8 @@ import re
 from typing import Sequence
 
 import jax
+# jax's own MLIR context and Mosaic dialect: a kernel's bytecode is parsed as jax parses it
+# (jax._src.tpu_custom_call); no public API reads it.
 from jax._src.interpreters import mlir
 from jax._src.lib import tpu
 from jax._src.lib.mlir import ir
