@@ -24,6 +24,7 @@ variant takes minutes.
 import concurrent.futures
 import json
 import os
+import sys
 
 import jax
 from absl import flags
@@ -92,7 +93,7 @@ def _variants(settings: settings_lib.Settings) -> list[str]:
 
 def known_rows(path: str | None) -> dict[str, dict]:
   """The rows of the results JSON at `path` that record their program, by program; none for
-  no path."""
+  no path (a file whose rows record none is said so on stderr: everything compiles)."""
   if path is None:
     return {}
   try:
@@ -101,7 +102,11 @@ def known_rows(path: str | None) -> dict[str, dict]:
   except (OSError, ValueError, KeyError, TypeError) as e:
     raise UserError(f"--reuse={path}: not a results file of launch.aot ({e}); give the path "
                     "of a JSON it wrote, e.g. benchmarks/results/aot_<config>_<topology>.json")
-  return {r["program"]: r for r in rows if "program" in r}
+  known = {r["program"]: r for r in rows if "program" in r}
+  if not known:
+    print(f"--reuse={path}: no row records its program (written before launch.aot recorded "
+          "them): every variant compiles", file=sys.stderr)
+  return known
 
 
 def compile_variants(settings: settings_lib.Settings, devices, variants: list[str],

@@ -145,6 +145,13 @@ def test_reuse_refuses_a_file_that_is_not_a_results_file(tmp_path):
     aot.known_rows(str(tmp_path / "absent.json"))
 
 
+def test_reuse_of_rows_without_program_keys_says_so(tmp_path, capsys):
+  path = tmp_path / "old.json"
+  path.write_text('{"results": [{"variant": "capped", "total_bytes": 1}]}')
+  assert aot.known_rows(str(path)) == {}
+  assert "no row records its program" in capsys.readouterr().err
+
+
 # One Pallas kernel, written to two folders: `x * FACTOR`.
 _KERNEL = textwrap.dedent("""
     import jax
