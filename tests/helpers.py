@@ -93,10 +93,11 @@ def run_module(argv: list[str], core: int | None = None, xla_flags: str | None =
   """Runs `python -m argv[0] argv[1:]` in a child as users run it; returns its stdout.
 
   The child runs without the suite's legacy-emitter flag, which moves CPU memory figures
-  (tests/conftest.py), or with `xla_flags` as its XLA_FLAGS when given. `core` pins it to one of this process's cores (an index into them in
-  order, -1 the last), for TPU compiles: libtpu's compiler threads then use 14% less CPU (at
-  1.5x the wall time), and the suite, which keeps both cores busy, is bound by CPU
-  (docs/testing.md). The two v5p compiles take different cores, so that they run side by side."""
+  (tests/conftest.py), or with `xla_flags` as its XLA_FLAGS when given. `core` pins it to one
+  of this process's cores (an index into them in order, -1 the last), for TPU compiles:
+  libtpu's compiler threads then use 14% less CPU (at 1.5x the wall time), and the suite,
+  which keeps both cores busy, is bound by CPU (docs/testing.md). The two v5p compiles take
+  different cores, so that they run side by side."""
   run = ["-m"] if core is None else ["-c", _ON_ONE_CORE, str(core)]
   if xla_flags is None:
     xla_flags = child_xla_flags(without=("xla_cpu_use_fusion_emitters",))
