@@ -1,6 +1,7 @@
 """Device memory of a train step per fallback variant, from the compiler, on CPU and TPU.
 
   python -m benchmarks.fallback_memory [--platforms=cpu,tpu] [--layers=1,4,8] [--remat=full]
+      [--reuse=FILE]
 
 For each platform (an 8-device CPU mesh, and a v5p 2x2x2 topology compiled through libtpu)
 and each model (one bare MoE layer; stacks of rematerialised MoE layers trained with Adam),
@@ -11,14 +12,18 @@ and the compile time for: the worst-case buffer, the capped buffer, capped + `la
 naive form, `moe_hk.fallback.unrolled_chunks`, traced in with `moe_hk.fallback.chunk_loop`).
 Each rung of the adaptive ladder is a compiled switch branch, so its column
 measures what rungs cost. `--factor` sets the buffer factor (a lower one lengthens the adaptive
-ladder). `--remat` names the layers' remat policy (the launcher's `remat_policy` values: 'full'
-saves nothing, 'save_matmuls' keeps the matmul outputs, as `launch/configs/tpu_chip.py` trains).
+ladder). Each row records each variant's `programs` key (`launch.compiling.program_key`);
+`--reuse=FILE` reads back the MiB of every variant whose key an earlier results file holds
+instead of compiling it (tests/test_fallback_memory.py reads its committed baselines so).
+`--remat` names the layers' remat policy (the launcher's `remat_policy` values: 'full' saves
+nothing, 'save_matmuls' keeps the matmul outputs, as `launch/configs/tpu_chip.py` trains).
 JSON first, then a table.
 """
 from __future__ import annotations
 
 import argparse
 import functools
+import sys
 import time
 
 import jax
@@ -28,8 +33,10 @@ from jax.sharding import NamedSharding
 
 import moe_hk
 from launch.compiling import topology
+from launch.compiling.program_key import program_key
 from launch.model import memory, transformer
 from launch.setup import platform as launch_platform, results
+from launch.setup.errors import UserError
 from moe_hk import fallback, mesh as mesh_lib
 
 # The single-layer setting where token buffers dominate: 8 shards, top-2, 8 experts,
@@ -80,18 +87,19 @@ def _layer_params(config):
                           jnp.zeros((e, f, d)))
 
 
-def compile_step(variant: str, platform: str, layers: int, remat: str = "full"):
-  """Compiles the step. layers == 0: one bare layer's value-and-grad (no optimizer, no remat).
-  layers >= 1: a scan over that many residual MoE layers whose body is a jax.checkpoint under
-  `remat` (a `transformer.REMAT_POLICIES` name), with an Adam update and donated params and
-  optimizer state. `fallback_unrolled` traces the naive chunk loop the scan is measured
-  against."""
+def lower_step(variant: str, platform: str, layers: int, remat: str = "full"
+               ) -> tuple[jax.stages.Lowered, list[jax.Device]]:
+  """Lowers the step and returns it with the devices it is for. layers == 0: one bare
+  layer's value-and-grad (no optimizer, no remat). layers >= 1: a scan over that many
+  residual MoE layers whose body is a jax.checkpoint under `remat` (a
+  `transformer.REMAT_POLICIES` name), with an Adam update and donated params and optimizer
+  state. `fallback_unrolled` traces the naive chunk loop the scan is measured against."""
   loop = fallback.unrolled_chunks if variant == "fallback_unrolled" else None
   with fallback.chunk_loop(loop):
-    return _compile_step(variant, platform, layers, transformer.REMAT_POLICIES[remat])
+    return _lower_step(variant, platform, layers, transformer.REMAT_POLICIES[remat])
 
 
-def _compile_step(variant: str, platform: str, layers: int, policy):
+def _lower_step(variant: str, platform: str, layers: int, policy):
   config = variant_config(variant)
   mesh = make_mesh(platform)
   layer = variant_layer(config, mesh)
@@ -105,7 +113,7 @@ def _compile_step(variant: str, platform: str, layers: int, policy):
       y, stats = layer(p, xx)
       return jnp.mean(y ** 2) + stats.lb_loss
     params = memory.abstract_like(_layer_params(config), shardings)
-    return jax.jit(jax.value_and_grad(loss)).lower(params, x).compile()
+    return jax.jit(jax.value_and_grad(loss)).lower(params, x), list(mesh.devices.flat)
 
   # Layers as a scan over stacked params with a rematerialised body, as large MoE models train.
   remat_layer = jax.checkpoint(layer, policy=policy)
@@ -131,25 +139,47 @@ def _compile_step(variant: str, platform: str, layers: int, policy):
   opt_shardings = optax.tree_map_params(tx, lambda _, s: s, opt_state, stacked_shardings,
                                         transform_non_params=lambda _: replicated)
   opt_state = memory.abstract_like(opt_state, opt_shardings)
-  return jax.jit(step, donate_argnums=(0, 1)).lower(params, opt_state, x).compile()
+  lowered = jax.jit(step, donate_argnums=(0, 1)).lower(params, opt_state, x)
+  return lowered, list(mesh.devices.flat)
 
 
-def measure(platforms, layer_counts, variants=VARIANTS, remat: str = "full"):
+def measure(platforms, layer_counts, variants=VARIANTS, remat: str = "full",
+            known: dict[str, float] | None = None):
   """Per platform and model: total MiB per device and compile seconds of each variant, the
-  layers rematerialised under `remat`."""
+  layers rematerialised under `remat`, and each variant's `program` (its program key). A
+  variant whose program key `known` holds takes its MiB from there, not from a compile (its
+  seconds: None)."""
+  known = known or {}
   rows = []
   for platform in platforms:
     for layers in layer_counts:
-      mib, seconds = {}, {}
+      mib, seconds, programs = {}, {}, {}
       for v in variants:
         start = time.perf_counter()
-        compiled = compile_step(v, platform, layers, remat)
+        lowered, devices = lower_step(v, platform, layers, remat)
+        programs[v] = program_key(lowered, devices)
+        if programs[v] in known:
+          mib[v], seconds[v] = known[programs[v]], None
+          continue
+        mib[v] = memory.total_memory_bytes(lowered.compile()) / 2**20
         seconds[v] = time.perf_counter() - start
-        mib[v] = memory.total_memory_bytes(compiled) / 2**20
       over = {v: mib[v] / mib["capped"] for v in variants if "capped" in mib}
       rows.append({"platform": platform, "layers": layers, "remat": remat, "MiB": mib,
-                   "compile_s": seconds, "over_capped": over})
+                   "compile_s": seconds, "over_capped": over, "programs": programs})
   return rows
+
+
+def known_mib(path: str | None) -> dict[str, float]:
+  """MiB per device by program key, of every variant of the rows of the results JSON at
+  `path` (an earlier run's: `--reuse`); none for no path."""
+  if path is None:
+    return {}
+  rows = results.read_rows(path, "--reuse", "benchmarks.fallback_memory", "rows")
+  known = {key: row["MiB"][v] for row in rows for v, key in row.get("programs", {}).items()}
+  if not known:
+    print(f"--reuse={path}: no row records its programs (written before they were recorded): "
+          "every variant compiles", file=sys.stderr)
+  return known
 
 
 def main():
@@ -164,12 +194,19 @@ def main():
   parser.add_argument("--factor", type=float, default=SETTING["ragged_buffer_factor"])
   parser.add_argument("--remat", default="full",
                       choices=[k for k, v in transformer.REMAT_POLICIES.items() if v])
+  parser.add_argument("--reuse", help="a results JSON of this benchmark: its variants whose "
+                      "program (launch.compiling.program_key) is this run's are read back, not "
+                      "compiled")
   results.add_argument(parser, "fallback_memory")
   args = parser.parse_args()
+  try:
+    known = known_mib(args.reuse)
+  except UserError as e:
+    parser.error(str(e))
   SETTING.update(emb_dim=args.emb_dim, mlp_dim=args.mlp_dim, ragged_buffer_factor=args.factor)
   variants = args.variants.split(",")
   rows = measure(args.platforms.split(","), [int(n) for n in args.layers.split(",")], variants,
-                 args.remat)
+                 args.remat, known)
   results.publish(args.results, {"setting": {**SETTING, "batch": BATCH, "seq": SEQ,
                                              "adaptive_max_chunks": ADAPTIVE_MAX_CHUNKS},
                                  "rows": rows})
@@ -181,7 +218,8 @@ def main():
   for r in rows:
     model = ("1 layer, bare" if r["layers"] == 0
              else f"{r['layers']} layers, remat '{r['remat']}', + Adam")
-    cells = [f"{r['MiB'][v]:.1f} ({r['compile_s'][v]:.0f} s)" for v in variants]
+    took = {v: "reused" if s is None else f"{s:.0f} s" for v, s in r["compile_s"].items()}
+    cells = [f"{r['MiB'][v]:.1f} ({took[v]})" for v in variants]
     cells += [f"{r['over_capped'][v]:.2f}x" for v in over]
     print(f"| {r['platform']} | {model} | " + " | ".join(cells) + " |")
 

@@ -96,12 +96,7 @@ def known_rows(path: str | None) -> dict[str, dict]:
   no path (a file whose rows record none is said so on stderr: everything compiles)."""
   if path is None:
     return {}
-  try:
-    with open(path) as f:
-      rows = json.load(f)["results"]
-  except (OSError, ValueError, KeyError, TypeError) as e:
-    raise UserError(f"--reuse={path}: not a results file of launch.aot ({e}); give the path "
-                    "of a JSON it wrote, e.g. benchmarks/results/aot_<config>_<topology>.json")
+  rows = results.read_rows(path, "--reuse", "launch.aot", "results")
   known = {r["program"]: r for r in rows if "program" in r}
   if not known:
     print(f"--reuse={path}: no row records its program (written before launch.aot recorded "

@@ -18,6 +18,8 @@ from typing import Any
 
 import jax
 
+from launch.setup.errors import UserError
+
 # The repository's root (this file is launch/setup/results.py).
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
@@ -74,6 +76,21 @@ def write(name: str, figures: dict[str, Any], argv: list[str] | None = None,
     json.dump(stamped, f, indent=2)
     f.write("\n")
   return path
+
+
+def read_rows(path: str, flag: str, writer: str, field: str) -> list[dict[str, Any]]:
+  """The rows (the list under `field`) of the results JSON at `path`, which the command-line
+  flag `flag` names and the module `writer` writes; a UserError in one line for a file that
+  is not one."""
+  try:
+    with open(path) as f:
+      rows = json.load(f)[field]
+    if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+      raise TypeError(f"{field!r} holds no list of rows")
+  except (OSError, ValueError, KeyError, TypeError) as e:
+    raise UserError(f"{flag}={path}: not a results file of {writer} ({e}); give the path of a "
+                    "JSON it wrote to benchmarks/results/") from None
+  return rows
 
 
 def add_argument(parser: argparse.ArgumentParser, name: str) -> None:
