@@ -6,7 +6,7 @@ input on the host, FSDP 8 x EP 16): `python -m launch.aot` lowers the variant th
 chip must match the committed baseline of the installed jax
 (`benchmarks/results/aot_maverick_v5p-256_jax<V>.json`, whose figures the README quotes) within
 0.5% and be at most 1.01x the baseline's capped step (this is also the suite's v5p check of the
-fixed-chunk fallback: tests/test_fallback_memory.py compiles only the adaptive one for v5p).
+fixed-chunk fallback: tests/test_fallback_memory.py holds only the adaptive one for v5p).
 
 The compile takes 5 to 9 minutes of one core, more than the suite's budget holds
 (docs/testing.md), and no smaller program holds the figures: an 8-layer slice of two layer
