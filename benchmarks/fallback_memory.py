@@ -146,7 +146,7 @@ def _lower_step(variant: str, platform: str, layers: int, policy):
 def measure(platforms, layer_counts, variants=VARIANTS, remat: str = "full",
             known: dict[str, float] | None = None):
   """Per platform and model: total MiB per device and compile seconds of each variant, the
-  layers rematerialised under `remat`, and each variant's `program` (its program key). A
+  layers rematerialised under `remat`, and each variant's program key (`programs`). A
   variant whose program key `known` holds takes its MiB from there, not from a compile (its
   seconds: None)."""
   known = known or {}

@@ -108,6 +108,18 @@ def run_module(argv: list[str], core: int | None = None, xla_flags: str | None =
   return done.stdout
 
 
+class CompileAsked(Exception):
+  """Raised in place of a compile by `forbid_compiles`."""
+
+
+def forbid_compiles(monkeypatch) -> None:
+  """From here on in the test, `Lowered.compile` raises CompileAsked: code that should read
+  figures back shows that it compiled instead."""
+  def compiling(*args, **kwargs):
+    raise CompileAsked()
+  monkeypatch.setattr(jax.stages.Lowered, "compile", compiling)
+
+
 def unrolled_model(mesh) -> hk.TransformedWithState:
   """`(x [B, S, 16], step) -> x + sum of the LAYER_CONFIGS layers`, each rematerialised, stats
   in Haiku state under `moe_<i>`."""

@@ -25,7 +25,7 @@ import pytest
 
 from benchmarks import fallback_memory
 from launch.compiling.program_key import program_key
-from tests.helpers import ROOT, require_libtpu, run_module
+from tests.helpers import ROOT, CompileAsked, forbid_compiles, require_libtpu, run_module
 
 # One worker runs the module's tests, so each platform's child runs once
 # (tests/conftest.py WORKER_GROUPS).
@@ -113,21 +113,14 @@ def test_fallback_memory_within_ten_percent_of_capped(platform, variant):
   assert mib[variant] <= 1.10 * mib["capped"], mib
 
 
-
-class _Compiling(Exception):
-  """Raised in place of a compile, to show that one was asked for."""
-
-
 def test_a_variant_is_read_back_only_for_its_own_program(monkeypatch):
   """`--reuse`: a variant whose program key the earlier results hold takes their MiB, and
   records the key; any other program compiles."""
   lowered, devices = fallback_memory.lower_step("capped", "cpu", 0)
   key = program_key(lowered, devices)
-  def compiling(_):
-    raise _Compiling()
-  monkeypatch.setattr(jax.stages.Lowered, "compile", compiling)
+  forbid_compiles(monkeypatch)
   [row] = fallback_memory.measure(["cpu"], [0], ["capped"], known={key: 1285.0})
   assert (row["MiB"], row["compile_s"], row["programs"]) == (
       {"capped": 1285.0}, {"capped": None}, {"capped": key})
-  with pytest.raises(_Compiling):
+  with pytest.raises(CompileAsked):
     fallback_memory.measure(["cpu"], [0], ["capped"], known={"another program": 1285.0})

@@ -17,7 +17,8 @@ from launch.compiling.program_key import program_key
 from launch.setup.errors import UserError
 from launch.configs import tiny
 from launch.model.train_step import abstract_inputs, make_steps
-from tests.helpers import require_libtpu, settings_of, tiny_config, user_precision
+from tests.helpers import (CompileAsked, forbid_compiles, require_libtpu, settings_of, tiny_config,
+                           user_precision)
 
 
 @pytest.mark.parametrize("topology,devices", [("v5p-16", 8), ("v5p:2x2x2", 8), ("cpu:8", 8)])
@@ -107,10 +108,6 @@ def test_the_default_variant_is_the_one_the_config_trains():
       "fallback_scan")
 
 
-class _Compiling(Exception):
-  """Raised where a program would compile."""
-
-
 @pytest.mark.slow
 def test_variants_compile_at_once_in_their_order_and_are_reused(monkeypatch):
   """`launch.aot --jobs=2`: two variants of the tiny step (the tests' grouped matmul) compile
@@ -126,13 +123,11 @@ def test_variants_compile_at_once_in_their_order_and_are_reused(monkeypatch):
   assert rows[0]["total_bytes"] > rows[1]["total_bytes"]
   assert rows[0]["program"] != rows[1]["program"]
 
-  def compiling(self, *args, **kwargs):
-    raise _Compiling()
-  monkeypatch.setattr(jax.stages.Lowered, "compile", compiling)
+  forbid_compiles(monkeypatch)
   known = {r["program"]: r for r in rows}
   [again] = aot.compile_variants(settings, devices, ["fallback_scan"], jobs=1, known=known)
   assert again == {**rows[1], "reused": True}
-  with pytest.raises(_Compiling):
+  with pytest.raises(CompileAsked):
     aot.compile_variants(settings, devices, ["capped"], jobs=1, known=known)
 
 
